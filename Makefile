@@ -1,0 +1,28 @@
+# The two commands of the README: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PORT   ?= 8000
+
+.PHONY: serve test test-slow venv-serve venv-dev
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Serving only: onnxruntime, FastAPI, no torch.
+venv-serve: $(BIN)/python
+	$(BIN)/pip install -q -e '.[serve]'
+
+# Everything the tests need (training, export, serving).
+venv-dev: $(BIN)/python
+	$(BIN)/pip install -q -e '.[serve,train,dev]'
+
+serve: venv-serve
+	$(BIN)/attnserve serve --host 0.0.0.0 --port $(PORT) --models models
+
+test: venv-dev
+	$(BIN)/python -m pytest -m "not slow and not gpu and not soak" -q
+
+test-slow: venv-dev
+	$(BIN)/python -m pytest -m "slow" -q
