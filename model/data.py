@@ -262,7 +262,7 @@ def prepare(
         model_path = train_tokenizer(
             [task_dir / "train.src", task_dir / "train.tgt"], task_dir / "tokenizer",
             vocab_size=vocab_size, seed=seed)
-        stats = {
+        stats: dict[str, Any] = {
             "task": task,
             "sources": {"en": str(en_path), **({"it": str(it_path)} if task == TRANSLATE else {})},
             "seed": seed,

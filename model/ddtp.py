@@ -26,6 +26,7 @@ import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +57,16 @@ def normalize_space(text: str) -> str:
     return " ".join(text.split())
 
 
-def open_text(path: str | Path) -> io.TextIOBase:
+def open_text(path: str | Path) -> io.TextIOWrapper:
     """Open a plain, xz, gzip or lz4 file for reading as UTF-8 text."""
     path = Path(path)
     with path.open("rb") as f:
         magic = f.read(6)
+    raw: IO[bytes]
     if magic.startswith(_XZ_MAGIC):
-        raw: io.BufferedIOBase = lzma.open(path, "rb")  # type: ignore[assignment]
+        raw = lzma.open(path, "rb")  # noqa: SIM115 (the caller closes the wrapper)
     elif magic.startswith(_GZIP_MAGIC):
-        raw = gzip.open(path, "rb")  # type: ignore[assignment]
+        raw = gzip.open(path, "rb")  # type: ignore[assignment]  # noqa: SIM115
     elif magic.startswith(_LZ4_MAGIC):
         try:
             import lz4.frame

@@ -71,8 +71,8 @@ def train_tokenizer(
     model_path.write_bytes(model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     with Path(f"{model_prefix}.vocab").open("w", encoding="utf-8", newline="\n") as f:
-        for i in range(sp.get_piece_size()):
-            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n")
+        f.writelines(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n"
+                     for i in range(sp.get_piece_size()))
     return model_path
 
 
@@ -145,7 +145,7 @@ class Tokenizer:
 
     def _offsets_from_proto(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Offsets from the piece proto of older sentencepiece versions (byte offsets)."""
-        proto = self._sp.encode(text, out_type="immutable_proto")
+        proto = self._sp.encode(text, out_type="immutable_proto")  # type: ignore[arg-type]
         char_at = _byte_to_char(text)
         ids = [int(p.id) for p in proto.pieces]
         return ids, [(char_at[p.begin], char_at[p.end]) for p in proto.pieces]

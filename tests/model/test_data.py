@@ -25,7 +25,8 @@ from model.ddtp import Description, read_descriptions
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "ddtp"
 EN = FIXTURES / "Translation-en"
 IT = FIXTURES / "Translation-it"
-OPTIONS = dict(vocab_size=300, valid_fraction=0.2, test_fraction=0.2, show_progress=False)
+OPTIONS: dict = {"vocab_size": 300, "valid_fraction": 0.2, "test_fraction": 0.2,
+           "show_progress": False}
 
 
 def desc(synopsis: str, *paragraphs: str) -> Description:

@@ -84,7 +84,8 @@ def test_normalize_space() -> None:
 
 def test_fixture_unique_md5s() -> None:
     for path in (EN, IT):
-        md5s = re.findall(r"^Description-md5: (\w+)$", path.read_text("utf-8"), re.M)
+        md5s = re.findall(r"^Description-md5: (\w+)$", path.read_text("utf-8"),
+                          re.MULTILINE)
         descriptions = read_descriptions(path, show_progress=False)
         assert len(md5s) > len(set(md5s))  # the fixture holds shared descriptions
         assert sorted(descriptions) == sorted(set(md5s))
