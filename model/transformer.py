@@ -206,6 +206,7 @@ class Transformer(nn.Module):
         empty = encoded.memory.new_zeros(batch, self.config.n_heads, 0, self.config.head_dim)  # (B, h, 0, d)
         layers = []
         for layer in self.decoder_layers:
+            assert isinstance(layer, DecoderLayer)
             cross_key, cross_value = layer.cross_attention.project_key_value(encoded.memory)  # (B, h, S, d)
             layers.append(LayerCache(empty, empty, cross_key, cross_value))
         return DecoderCache(layers, encoded.source_mask)
