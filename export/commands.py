@@ -1,9 +1,157 @@
-"""Subcommands of `attnserve` provided by `export/`: export."""
+"""Subcommands of `attnserve` provided by `export/`: export, check-parity."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+
+logger = logging.getLogger(__name__)
+
+# CLI task -> (manifest task, source language, target language)
+TASKS = {"translate-en-it": ("translate", "en", "it"), "summarize-en": ("summarize", "en", "en")}
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     """Add this package's subcommands to the `attnserve` parser."""
+    _register_export(subcommands)
+    _register_check_parity(subcommands)
+
+
+def _register_export(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser(
+        "export", help="export a checkpoint to an ONNX model repository (parity-checked)",
+        description="Write models/<name>: manifest.json, tokenizer.model, checkpoint.safetensors (bf16), "
+        "encoder.onnx + decoder.onnx (fp32, merged decoder with KV cache and attention outputs) and the "
+        "int8/fp16 variants; checks parity with PyTorch and measures each variant's quality.",
+    )
+    p.add_argument("--checkpoint", required=True, help="folder with checkpoint.safetensors (e.g. runs/<task>/best)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.model (default: beside the checkpoint, then in its parent)")
+    p.add_argument("--task", required=True, choices=sorted(TASKS))
+    p.add_argument("--out", required=True, help="model repository to write, e.g. models/translate-en-it")
+    p.add_argument("--name", default=None, help="model name (default: the --out folder's name)")
+    p.add_argument("--variants", nargs="+", default=["fp32", "int8", "fp16"], choices=["fp32", "int8", "fp16"],
+                   help="variants to build (fp32 always); those over --max-size-mb are dropped, fp16 first")
+    p.add_argument("--data-dir", default=None,
+                   help="prepared data of the task: parity on its test sources and quality per variant")
+    p.add_argument("--quality-rows", type=int, default=500, help="test rows scored per variant (default 500)")
+    p.add_argument("--max-size-mb", type=float, default=60.0,
+                   help="size budget of the repository; variants are dropped (fp16 first) to fit; 0 = none")
+    p.add_argument("--threads", type=int, default=0, help="torch and onnxruntime threads (0: default)")
+    p.set_defaults(func=_export)
+
+
+def _find_tokenizer(checkpoint: str, given: str | None) -> str:
+    from pathlib import Path
+
+    candidates = [Path(given)] if given else [Path(checkpoint) / "tokenizer.model",
+                                              Path(checkpoint).parent / "tokenizer.model"]
+    found = next((p for p in candidates if p.exists()), None)
+    if found is None:
+        raise SystemExit(f"no tokenizer found (tried {', '.join(map(str, candidates))}); pass --tokenizer")
+    return str(found)
+
+
+def _test_sources(data_dir: str, tokenizer_path: str, max_source_len: int, count: int = 6) -> list[list[int]]:
+    """The first `count` test sources, tokenized like the service does (ids + EOS)."""
+    from model.run_config import read_split
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    sources, _ = read_split(data_dir, "test")
+    return [ids[: max_source_len - 1] + [tokenizer.eos_id] for ids in tokenizer.encode_batch(sources[:count])]
+
+
+def _provenance(checkpoint: str) -> dict[str, object]:
+    """Where the weights come from: the folder and, for a training run's folder, its step."""
+    import math
+    from pathlib import Path
+
+    from export.manifest import sha256_file
+
+    found: dict[str, object] = {"checkpoint": checkpoint,
+                                "sha256": sha256_file(Path(checkpoint) / "checkpoint.safetensors")}
+    state = Path(checkpoint) / "trainer_state.json"
+    if state.exists():
+        values = json.loads(state.read_text())
+        found.update({k: values[k] for k in ("step", "epoch", "best_valid_loss")
+                      if k in values and math.isfinite(values[k])})
+    return found
+
+
+def _export(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from export.repository import write_repository
+    from model.checkpoint import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    tokenizer = _find_tokenizer(args.checkpoint, args.tokenizer)
+    model = load_model(args.checkpoint)
+    task, source_language, target_language = TASKS[args.task]
+    sources = _test_sources(args.data_dir, tokenizer, model.config.max_source_len) if args.data_dir else None
+    manifest = write_repository(
+        model, tokenizer, args.out, task=task, source_language=source_language,
+        target_language=target_language, name=args.name, variants=["fp32", *[v for v in args.variants if v != "fp32"]],
+        data_dir=args.data_dir, quality_rows=args.quality_rows, sources=sources,
+        max_size_mb=args.max_size_mb or None, threads=args.threads, provenance=_provenance(args.checkpoint),
+    )
+    summary = {name: {"servable": v.servable, "quality": v.quality} for name, v in manifest.variants.items()}
+    print(json.dumps({"model": manifest.name, "size_mb": manifest.exporter.get("size_mb"), "variants": summary,
+                      "dropped": manifest.exporter.get("dropped_variants", {})}, indent=2))
+    logger.info("export done in %.0fs", time.perf_counter() - started)
+    return 0
+
+
+def _register_check_parity(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser(
+        "check-parity", help="compare a model repository's ONNX graphs with its PyTorch checkpoint",
+        description="Verify the manifest hashes, then compare encoder outputs, step logits, attention "
+        "weights and greedy tokens of onnxruntime with PyTorch; exits 1 with the difference if they "
+        "disagree, 2 if the repository fails to load.",
+    )
+    p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
+    p.add_argument("--checkpoint", default=None,
+                   help="PyTorch checkpoint folder (default: the repository's own checkpoint.safetensors)")
+    p.add_argument("--variant", default="fp32", help="variant to check (tolerances are fp32's; default fp32)")
+    p.add_argument("--data-dir", default=None, help="use the task's first test sources instead of synthetic ones")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=0)
+    p.set_defaults(func=_check_parity)
+
+
+def _check_parity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from export.parity import ParityError, check_parity, parity_sources
+    from model.checkpoint import load_model
+    from service.runtime import CPU, ModelLoadError, ModelRuntime
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        runtime = ModelRuntime.load(args.model_dir, [CPU], threads=args.threads, variant=args.variant)
+    except ModelLoadError as error:
+        logger.error("cannot load the model: %s", error)
+        return 2
+    model = load_model(args.checkpoint or args.model_dir)
+    config = model.config
+    if args.data_dir:
+        sources = _test_sources(args.data_dir, str(Path(args.model_dir) / runtime.manifest.tokenizer),
+                                config.max_source_len)
+    else:
+        sources = parity_sources(config.vocab_size, config.eos_id)
+    try:
+        report = check_parity(model, runtime, sources, args.max_new_tokens)
+    except ParityError as error:
+        logger.error("parity check failed: %s", error)
+        return 1
+    print(json.dumps(report.to_dict(), indent=2))
+    return 0

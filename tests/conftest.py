@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+# One intra-op thread: the tiny models gain nothing from two, and on a loaded 2-core machine
+# oversubscribed threads make them orders of magnitude slower.
+torch.set_num_threads(1)
 
 from model.batching import ParallelExamples  # noqa: E402
 from model.checkpoint import load_model  # noqa: E402
@@ -56,3 +59,51 @@ def random_tiny() -> Transformer:
     """An untrained tiny model (seeded), in eval mode."""
     torch.manual_seed(0)
     return Transformer(TINY_CONFIG).eval()
+
+
+TINY_ALPHABET = "abcdefghijklmno"  # with "▁" and the 4 specials: a 20-piece tokenizer, the tiny vocab
+
+
+def _tiny_texts(count: int, seed: int) -> list[str]:
+    """Short lines of 1-2 words over `TINY_ALPHABET`."""
+    rng = random.Random(seed)
+    return [" ".join("".join(rng.choice(TINY_ALPHABET) for _ in range(rng.randrange(1, 4)))
+                     for _ in range(rng.randrange(1, 3))) for _ in range(count)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SentencePiece model of exactly 20 pieces (specials, "▁", one per letter of
+    `TINY_ALPHABET`): the tiny models' vocabulary, so "abc de" is 7 of their token ids."""
+    from model.tokenizer import Tokenizer, train_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-tokenizer")
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(_tiny_texts(300, seed=0)) + "\n", encoding="utf-8")
+    path = train_tokenizer([corpus], directory / "tokenizer", vocab_size=TINY_CONFIG.vocab_size)
+    assert Tokenizer.from_file(path).vocab_size == TINY_CONFIG.vocab_size
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_repository(trained_tiny: TrainedTiny, tiny_tokenizer: Path,
+                          tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`trained_tiny` exported into a model repository (task "translate", fp32 + int8, parity
+    checked, quality measured on 40 rows), like models/<name>. The model reverses the pieces of
+    its input: "abc de" -> "ed cba" (for sources of 3-8 pieces). Do not modify it: copy it."""
+    from export.repository import write_repository
+    from model.tokenizer import Tokenizer
+
+    root = tmp_path_factory.mktemp("tiny-repository")
+    tokenizer = Tokenizer.from_file(tiny_tokenizer)
+    texts = [t for t in _tiny_texts(200, seed=1) if 3 <= len(tokenizer.encode(t)) <= 8][:40]
+    data_dir = root / "data"
+    data_dir.mkdir()
+    (data_dir / "test.src").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    reversed_texts = [tokenizer.decode(tokenizer.encode(t)[::-1]).strip() for t in texts]
+    (data_dir / "test.tgt").write_text("\n".join(reversed_texts) + "\n", encoding="utf-8")
+    out = root / "tiny-reverse"
+    write_repository(trained_tiny.load(), tiny_tokenizer, out, task="translate", source_language="en",
+                     target_language="en", variants=("fp32", "int8"), data_dir=data_dir,
+                     quality_rows=len(texts), threads=1)
+    return out

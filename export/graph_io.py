@@ -1,0 +1,114 @@
+"""Names of the ONNX graphs' inputs and outputs: the contract between `export/` and `service/`.
+
+Torch-free, so the service can import it. Per-layer tensors are numbered `name.{i}`.
+
+encoder.onnx
+  inputs   input_ids (batch, source_len) int64: token ids + EOS, right-padded with pad
+  outputs  encoder_attention.{i} (batch, heads, source_len, source_len), one per encoder layer;
+           cross_key.{i}, cross_value.{i} (batch, heads, source_len, head_dim), one pair per
+           decoder layer (the decoder's cross-attention keys/values, computed once here)
+
+decoder.onnx (one merged graph: past_len may be 0)
+  inputs   input_ids, positions (batch, new_len) int64; source_mask (batch, source_len) bool;
+           target_mask (batch, total_len) bool with total_len = past_len + new_len;
+           past_key.{i}, past_value.{i} (batch, heads, past_len, head_dim);
+           cross_key.{i}, cross_value.{i} (batch, heads, source_len, head_dim)
+  outputs  logits (batch, new_len, vocab); present_key.{i}, present_value.{i}
+           (batch, heads, total_len, head_dim); self_attention.{i} (batch, heads, new_len,
+           total_len); cross_attention.{i} (batch, heads, new_len, source_len)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# named dynamic axes
+BATCH, SOURCE_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "source_len", "new_len", "past_len", "total_len"
+
+
+def encoder_inputs() -> list[str]:
+    return ["input_ids"]
+
+
+def encoder_attention_outputs(n_encoder_layers: int) -> list[str]:
+    return [f"encoder_attention.{i}" for i in range(n_encoder_layers)]
+
+
+def cross_names(n_decoder_layers: int) -> list[str]:
+    """cross_key.0, cross_value.0, cross_key.1, ...: encoder outputs and decoder inputs."""
+    return [f"cross_{kind}.{i}" for i in range(n_decoder_layers) for kind in ("key", "value")]
+
+
+def encoder_outputs(n_encoder_layers: int, n_decoder_layers: int) -> list[str]:
+    return encoder_attention_outputs(n_encoder_layers) + cross_names(n_decoder_layers)
+
+
+def past_names(n_decoder_layers: int) -> list[str]:
+    return [f"past_{kind}.{i}" for i in range(n_decoder_layers) for kind in ("key", "value")]
+
+
+def present_names(n_decoder_layers: int) -> list[str]:
+    return [f"present_{kind}.{i}" for i in range(n_decoder_layers) for kind in ("key", "value")]
+
+
+def decoder_inputs(n_decoder_layers: int) -> list[str]:
+    return (["input_ids", "positions", "source_mask", "target_mask"]
+            + past_names(n_decoder_layers) + cross_names(n_decoder_layers))
+
+
+def decoder_attention_outputs(n_decoder_layers: int) -> list[str]:
+    return ([f"self_attention.{i}" for i in range(n_decoder_layers)]
+            + [f"cross_attention.{i}" for i in range(n_decoder_layers)])
+
+
+def decoder_outputs(n_decoder_layers: int) -> list[str]:
+    return ["logits"] + present_names(n_decoder_layers) + decoder_attention_outputs(n_decoder_layers)
+
+
+_AXES = {
+    "positions": [BATCH, NEW_LEN],
+    "source_mask": [BATCH, SOURCE_LEN],
+    "target_mask": [BATCH, TOTAL_LEN],
+    "encoder_attention": [BATCH, "heads", SOURCE_LEN, SOURCE_LEN],
+    "cross_key": [BATCH, "heads", SOURCE_LEN, "head_dim"],
+    "cross_value": [BATCH, "heads", SOURCE_LEN, "head_dim"],
+    "past_key": [BATCH, "heads", PAST_LEN, "head_dim"],
+    "past_value": [BATCH, "heads", PAST_LEN, "head_dim"],
+    "present_key": [BATCH, "heads", TOTAL_LEN, "head_dim"],
+    "present_value": [BATCH, "heads", TOTAL_LEN, "head_dim"],
+    "logits": [BATCH, NEW_LEN, "vocab"],
+    "self_attention": [BATCH, "heads", NEW_LEN, TOTAL_LEN],
+    "cross_attention": [BATCH, "heads", NEW_LEN, SOURCE_LEN],
+}
+_DTYPES = {"input_ids": "int64", "positions": "int64", "source_mask": "bool", "target_mask": "bool"}
+
+
+def axes(graph: str, name: str) -> list[str]:
+    """The named axes of a tensor of `graph` ("encoder" | "decoder"); "heads", "head_dim" and
+    "vocab" are fixed sizes, the others dynamic."""
+    if name == "input_ids":
+        return [BATCH, SOURCE_LEN if graph == "encoder" else NEW_LEN]
+    return _AXES[name.split(".")[0]]
+
+
+def dtype(name: str) -> str:
+    return _DTYPES.get(name, "float32")
+
+
+def describe(graph: str, names: list[str]) -> list[dict[str, Any]]:
+    """The manifest's io entries of `graph`: name, dtype and named axes of each tensor."""
+    return [{"name": n, "dtype": dtype(n), "axes": axes(graph, n)} for n in names]
+
+
+def io_section(n_encoder_layers: int, n_decoder_layers: int) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """The manifest's `io`: inputs and outputs of both graphs."""
+    return {
+        "encoder": {
+            "inputs": describe("encoder", encoder_inputs()),
+            "outputs": describe("encoder", encoder_outputs(n_encoder_layers, n_decoder_layers)),
+        },
+        "decoder": {
+            "inputs": describe("decoder", decoder_inputs(n_decoder_layers)),
+            "outputs": describe("decoder", decoder_outputs(n_decoder_layers)),
+        },
+    }

@@ -1,0 +1,214 @@
+"""Write a whole model repository: weights, tokenizer, graphs of every variant, parity check,
+variant quality, size budget, and the manifest with the sha256 of every file.
+
+The repository is built in a staging folder beside the target and swapped in at the end, so
+a failed export (parity, size) never leaves a half-written model where the service looks.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from export import graph_io
+from export.manifest import Manifest, Variant, repository_files, write_manifest
+from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
+from export.parity import check_parity, parity_sources
+from export.quality import MAX_DROP, measure_quality, within_bound
+from export.storage import save_graphs
+from export.variants import PRECISIONS, convert
+from model.checkpoint import WEIGHTS_FILE, load_model, save_weights
+from model.tokenizer import Tokenizer
+from model.transformer import Transformer
+from service.runtime import CPU, CUDA, ModelRuntime
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.model"
+MAX_SIZE_MB = 60.0  # per model repository, all files (MiB, as `du -sm` counts)
+DROP_ORDER = ("fp16", "int8")  # variants given up first when the repository is too large
+PROVIDERS = {"fp32": [CUDA, CPU], "int8": [CPU], "fp16": [CUDA]}
+
+
+class RepositoryTooLarge(ValueError):
+    """Even the fp32 graphs, weights and tokenizer exceed the size budget."""
+
+
+def round_to_bf16(model: Transformer) -> Transformer:
+    """A copy whose weights are rounded to bfloat16 (kept in float32), so the bf16
+    checkpoint.safetensors and the fp32 graphs hold exactly the same numbers."""
+    rounded = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
+    return rounded
+
+
+def _check_tokenizer(tokenizer: Tokenizer, model: Transformer) -> None:
+    config = model.config
+    found = (tokenizer.vocab_size, tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id)
+    expected = (config.vocab_size, config.pad_id, config.unk_id, config.bos_id, config.eos_id)
+    if found != expected:
+        raise ValueError(f"tokenizer (vocab, pad, unk, bos, eos) = {found} does not match the model's {expected}")
+
+
+def _size_mb(directory: Path) -> float:
+    return sum((directory / f).stat().st_size for f in repository_files(directory)) / 2**20
+
+
+def write_repository(
+    model: Transformer,
+    tokenizer_path: str | Path,
+    out_dir: str | Path,
+    *,
+    task: str,
+    source_language: str,
+    target_language: str,
+    name: str | None = None,
+    variants: Sequence[str] = ("fp32", "int8"),
+    data_dir: str | Path | None = None,
+    quality_rows: int = 500,
+    sources: list[list[int]] | None = None,
+    max_size_mb: float | None = MAX_SIZE_MB,
+    threads: int = 0,
+    provenance: dict[str, Any] | None = None,
+) -> Manifest:
+    """Export `model` into the repository `out_dir` (replaced if it exists) and return its manifest.
+
+    `sources` (ids ending with EOS) feed the parity check (synthetic ones by default); with
+    `data_dir`, every variant's quality is measured on `quality_rows` test rows and a variant
+    more than `MAX_DROP` points below fp32 is not servable (without, only fp32 is).
+    `provenance` (e.g. the checkpoint's path and training step) is recorded in the manifest.
+    """
+    if "fp32" not in variants or set(variants) - set(PRECISIONS):
+        raise ValueError(f"variants must include fp32 and be among {PRECISIONS}, got {list(variants)}")
+    out_dir = Path(out_dir)
+    name = name or out_dir.name
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    _check_tokenizer(tokenizer, model)
+    model = round_to_bf16(model)
+    staging = out_dir.parent / f".{out_dir.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        manifest = _build(staging, model, tokenizer_path, name, task, source_language, target_language, variants,
+                          data_dir, quality_rows, sources, max_size_mb, threads, provenance or {})
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # never leave a half-made model where the service looks
+        raise
+
+    # swap in: the old repository (if any) is replaced in two renames
+    previous = out_dir.parent / f".{out_dir.name}.previous"
+    shutil.rmtree(previous, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(previous)
+    staging.rename(out_dir)
+    shutil.rmtree(previous, ignore_errors=True)
+    log.info("wrote %s (%.1f MB): variants %s", out_dir, manifest.exporter["size_mb"],
+             {k: v.servable for k, v in manifest.variants.items()})
+    return manifest
+
+
+def _build(
+    staging: Path, model: Transformer, tokenizer_path: str | Path, name: str, task: str, source_language: str,
+    target_language: str, variants: Sequence[str], data_dir: str | Path | None, quality_rows: int,
+    sources: list[list[int]] | None, max_size_mb: float | None, threads: int, provenance: dict[str, Any],
+) -> Manifest:
+    config = model.config
+
+    # 1. weights, tokenizer, graphs
+    save_weights(model, staging, dtype=torch.bfloat16)
+    shutil.copyfile(tokenizer_path, staging / TOKENIZER_FILE)
+    graphs = export_graphs(model)
+    entries: dict[str, Variant] = {}
+    for precision in variants:
+        folder = "" if precision == "fp32" else f"{precision}/"
+        converted = {file: convert(graph, precision) for file, graph in graphs.items()}
+        save_graphs(staging / folder, converted)
+        entries[precision] = Variant(
+            encoder=f"{folder}{ENCODER_FILE}", decoder=f"{folder}{DECODER_FILE}", precision=precision,
+            providers=PROVIDERS[precision], servable=precision == "fp32", quality=None,
+            note="" if precision == "fp32" or data_dir is not None else "quality not measured (no --data-dir)",
+        )
+    manifest = Manifest(
+        name=name, task=task, source_language=source_language, target_language=target_language,
+        model_config=config.to_dict(),
+        special_ids={"pad": config.pad_id, "unk": config.unk_id, "bos": config.bos_id, "eos": config.eos_id},
+        max_source_len=config.max_source_len, max_target_len=config.max_target_len, opset=OPSET,
+        io=graph_io.io_section(config.n_encoder_layers, config.n_decoder_layers), variants=entries,
+        tokenizer=TOKENIZER_FILE, checkpoint=WEIGHTS_FILE,
+        exporter=dict(_exporter_info(), source=provenance),
+    )
+    write_manifest(staging, manifest)
+
+    # 2. parity of the fp32 graphs with the checkpoint as written
+    runtime = ModelRuntime.load(staging, [CPU], threads=threads, variant="fp32")
+    sources = sources or parity_sources(config.vocab_size, config.eos_id)
+    report = check_parity(load_model(staging), runtime, sources, max_new_tokens=min(32, config.max_target_len))
+    manifest.exporter["parity"] = report.to_dict()
+
+    # 3. quality of every variant through onnxruntime
+    if data_dir is not None:
+        manifest.quality = measure_quality(runtime, data_dir, quality_rows, progress=True)
+        entries["fp32"].quality = manifest.quality
+        for precision in variants:
+            if precision == "fp32":
+                continue
+            variant_runtime = ModelRuntime.load(staging, [CPU], threads=threads, variant=precision)
+            quality = measure_quality(variant_runtime, data_dir, quality_rows, progress=True)
+            entry = entries[precision]
+            entry.quality, entry.servable = quality, within_bound(task, manifest.quality, quality)
+            entry.note = (f"within {MAX_DROP:g} point of fp32" if entry.servable
+                          else f"more than {MAX_DROP:g} point below fp32: not servable")
+            if precision == "fp16":
+                entry.note += "; quality measured on CPUExecutionProvider"
+    if data_dir is not None and quality_rows < 500:
+        manifest.exporter["quality_note"] = f"quality on {quality_rows} test rows only (fewer than 500)"
+
+    # 4. size budget: give up variants (fp16 first), never fp32
+    if max_size_mb is not None:
+        _fit(staging, manifest, max_size_mb)
+    manifest.exporter["size_mb"] = round(_size_mb(staging), 1)
+    write_manifest(staging, manifest)
+    return manifest
+
+
+def _fit(directory: Path, manifest: Manifest, max_size_mb: float) -> None:
+    for precision in DROP_ORDER:
+        size = _size_mb(directory)
+        if size <= max_size_mb:
+            return
+        if precision in manifest.variants:
+            variant = manifest.variants.pop(precision)
+            folder = directory / precision
+            variant_mb = _size_mb(folder)
+            shutil.rmtree(folder)
+            log.warning("%s: %.1f MB > %.0f MB, dropped the %s variant (%.1f MB)",
+                        manifest.name, size, max_size_mb, precision, variant_mb)
+            manifest.exporter.setdefault("dropped_variants", {})[precision] = {
+                "reason": f"repository over {max_size_mb:g} MB", "size_mb": round(variant_mb, 1),
+                "quality": variant.quality, "would_be_servable": variant.servable,
+            }
+    size = _size_mb(directory)
+    if size > max_size_mb:
+        raise RepositoryTooLarge(f"{directory}: {size:.1f} MB with fp32 only, over {max_size_mb:g} MB")
+
+
+def _exporter_info() -> dict[str, Any]:
+    import onnx
+    import onnxruntime
+
+    return {
+        "exporter": "torch.onnx.export(dynamo=True)",
+        "torch": torch.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "weights": "rounded to bfloat16: the graphs hold the numbers of checkpoint.safetensors",
+        "decoder": "merged: one graph for the first step (past_len 0) and the steps with a cache",
+    }

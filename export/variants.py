@@ -1,0 +1,74 @@
+"""Reduced-precision variants of the fp32 graphs.
+
+- fp16: for the CUDA execution provider. onnxruntime's own converter (bundled with the
+  onnxruntime wheel, so no onnxconverter-common dependency) with `keep_io_types=True`: graph
+  inputs and outputs stay float32, so callers feed and read the same arrays as with fp32.
+- int8: for CPU. onnxruntime dynamic quantization: int8 weights (per output channel) for
+  MatMul and Gather, activations quantized on the fly; inputs and outputs stay float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import onnx
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "int8", "fp16")
+
+
+def to_fp16(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """fp16 weights and arithmetic; float32 graph inputs and outputs."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(graph)
+    converted: onnx.ModelProto = convert_float_to_float16(copy, keep_io_types=True)
+    _sort_nodes(converted.graph)  # the converter appends the input Casts after their users
+    return converted
+
+
+def _sort_nodes(graph: onnx.GraphProto) -> None:
+    """Order the nodes topologically (stable: a node keeps its place when it can)."""
+    known = {v.name for v in graph.input} | {t.name for t in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        ready = [n for n in pending if all(i in known for i in n.input)]
+        if not ready:
+            raise ValueError(f"graph has a cycle or an undefined input near node {pending[0].name!r}")
+        for node in ready:
+            known.update(node.output)
+        ordered.extend(ready)
+        taken = {id(n) for n in ready}
+        pending = [n for n in pending if id(n) not in taken]
+    del graph.node[:]
+    graph.node.extend(ordered)
+
+
+def to_int8(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """Dynamically quantized: int8 weights per channel, uint8 activations computed per call."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        output = Path(tmp) / "int8.onnx"
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.ERROR)  # quantize_dynamic warns on the root logger about pre-processing
+        try:
+            quantize_dynamic(graph, output, weight_type=QuantType.QInt8, per_channel=True)
+        finally:
+            root.setLevel(level)
+        return onnx.load_model(str(output), load_external_data=True)
+
+
+def convert(graph: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    if precision == "fp32":
+        return graph
+    if precision == "fp16":
+        return to_fp16(graph)
+    if precision == "int8":
+        return to_int8(graph)
+    raise ValueError(f"unknown precision {precision!r} (one of {PRECISIONS})")

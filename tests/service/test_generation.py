@@ -1,0 +1,119 @@
+"""The onnxruntime generation loop gives exactly the tokens of the PyTorch reference."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from model.checkpoint import load_model
+from model.decoding import beam_search, greedy_decode, pad_batch
+from model.transformer import Transformer
+from service.generation import (
+    GenerationResult,
+    generate,
+    log_softmax,
+    teacher_forced_attention,
+    top_k,
+)
+from service.runtime import CPU, ModelRuntime
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_repository: Path) -> ModelRuntime:
+    return ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_repository: Path) -> Transformer:
+    return load_model(tiny_model_repository)
+
+
+@pytest.fixture(scope="module")
+def sources(trained_tiny) -> list[list[int]]:
+    """12 validation sources of 3-8 tokens, EOS-terminated, plus two the model never saw the like
+    of (longer than its training sources, so it does not stop cleanly)."""
+    return [s + [3] for s in trained_tiny.valid.sources[:12]] + [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 3], [19] * 10 + [3]]
+
+
+def _same(actual: list[GenerationResult], expected) -> None:
+    assert [(g.tokens, g.finish_reason) for g in actual] == [(g.tokens, g.finish_reason) for g in expected]
+    assert [g.score for g in actual] == pytest.approx([g.score for g in expected], abs=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 14])
+def test_greedy_equals_pytorch(runtime: ModelRuntime, model: Transformer, sources, rows: int) -> None:
+    batch = sources[-rows:]
+    _same(generate(runtime, batch, 1, 12), greedy_decode(model, pad_batch(batch, 0), 12))
+
+
+@pytest.mark.parametrize(("beam_size", "length_penalty"), [(3, 1.0), (3, 0.6), (2, 1.0)])
+def test_beam_search_equals_pytorch(runtime: ModelRuntime, model: Transformer, sources, beam_size: int,
+                                    length_penalty: float) -> None:
+    expected = beam_search(model, pad_batch(sources, 0), beam_size, 12, length_penalty)
+    _same(generate(runtime, sources, beam_size, 12, length_penalty), expected)
+
+
+def test_token_limit_counts_eos_and_finishes_with_length(runtime: ModelRuntime, model: Transformer, sources) -> None:
+    for beam_size in (1, 3):
+        actual = generate(runtime, sources[:4], beam_size, 2)
+        _same(actual, beam_search(model, pad_batch(sources[:4], 0), beam_size, 2))
+        assert all(len(g.tokens) <= 2 for g in actual)
+    assert {g.finish_reason for g in generate(runtime, sources[:4], 1, 2)} == {"length"}
+
+
+def test_the_tiny_model_reverses_text(runtime: ModelRuntime) -> None:
+    """What the service tests can count on: pieces come back reversed."""
+    tokenizer = runtime.tokenizer
+    sources = [tokenizer.encode(text) + [runtime.eos_id] for text in ("abc de", "kol")]
+    outputs = generate(runtime, sources, 3, runtime.max_target_len)
+    assert [tokenizer.decode(o.tokens).strip() for o in outputs] == ["ed cba", "lok"]
+    assert all(o.finish_reason == "eos" for o in outputs)
+
+
+def test_teacher_forced_attention(runtime: ModelRuntime, model: Transformer) -> None:
+    import torch
+
+    source, target = [5, 9, 12, 7, 3], [7, 12, 9, 5]
+    maps = teacher_forced_attention(runtime, source, target)
+    assert maps.decoder_ids == [2, *target]
+    assert [a.shape for a in maps.encoder] == [(4, 5, 5)] * 2
+    assert [a.shape for a in maps.decoder] == [(4, 5, 5)] * 2
+    assert [a.shape for a in maps.cross] == [(4, 5, 5)] * 2
+    assert np.allclose(np.triu(maps.decoder[0], k=1), 0.0)  # causal
+    with torch.no_grad():
+        encoded = model.encode(torch.tensor([source]))
+        out = model.decode(torch.tensor([maps.decoder_ids]), model.start_decoding(encoded))
+    for actual, expected in zip(maps.cross, out.cross_attentions, strict=True):
+        np.testing.assert_allclose(actual, expected[0].numpy(), atol=1e-4)
+
+
+def test_warmup_and_select(runtime: ModelRuntime) -> None:
+    runtime.warmup()
+    state = runtime.encode(runtime.pad([[5, 3], [6, 7, 3]]))
+    picked = runtime.select(state, [1, 1, 0])
+    assert picked.source_mask.tolist() == [[True, True, True]] * 2 + [[True, True, False]]
+    assert np.array_equal(picked.cross_keys[0][2], state.cross_keys[0][0])
+
+
+def test_top_k_and_log_softmax() -> None:
+    scores = np.array([[0.1, 3.0, -1.0, 2.0, 3.0]], dtype=np.float32)
+    values, index = top_k(scores, 3)
+    assert index.tolist() == [[1, 4, 3]] and values.tolist() == [[3.0, 3.0, 2.0]]
+    assert np.exp(log_softmax(scores)).sum() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_bad_arguments(runtime: ModelRuntime) -> None:
+    assert generate(runtime, [], 1, 4) == []
+    with pytest.raises(ValueError, match="EOS"):
+        generate(runtime, [[]], 1, 4)
+    with pytest.raises(ValueError, match=">= 1"):
+        generate(runtime, [[5, 3]], 0, 4)
+
+
+def test_runtime_and_generation_import_no_torch() -> None:
+    code = "import sys, service.generation, service.runtime; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parents[2]).returncode == 0
