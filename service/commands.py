@@ -3,7 +3,122 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import math
+import signal
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.registry import ModelRegistry
+
+logger = logging.getLogger(__name__)
+
+# Flags of `serve` that override a `Settings` field of the same name (None = not given).
+_SETTING_FLAGS = (
+    "host", "port", "models_dir", "providers", "threads", "variant", "max_batch_size",
+    "max_batch_tokens", "max_wait_ms", "max_queue_size", "request_timeout_s",
+    "graceful_timeout_s", "shutdown_delay_s",
+)
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     """Add this package's subcommands to the `attnserve` parser."""
+    _register_serve(subcommands)
+
+
+def _register_serve(subcommands: argparse._SubParsersAction) -> None:
+    """`attnserve serve`: the HTTP server over the model repository."""
+    p = subcommands.add_parser(
+        "serve",
+        help="serve the models of a model repository over HTTP",
+        description="Serve every model folder of a model repository (translate, summarize) "
+        "with dynamic batching on onnxruntime. Every option can also be set with an "
+        "ATTNSERVE_<NAME> environment variable (e.g. ATTNSERVE_MAX_BATCH_SIZE); flags win.",
+    )
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8000)")
+    p.add_argument("--models", dest="models_dir", help="model repository (default ./models)")
+    p.add_argument("--providers", help="onnxruntime execution providers, comma-separated, "
+                   "in order of preference (default CUDAExecutionProvider,CPUExecutionProvider)")
+    p.add_argument("--threads", type=int, help="intra-op threads per session (0 = default)")
+    p.add_argument("--variant", help="force a model variant (fp32, fp16, int8)")
+    p.add_argument("--max-batch-size", type=int, help="rows per batch (default 32)")
+    p.add_argument("--max-batch-tokens", type=int,
+                   help="padded source tokens x beams per batch (default 8192)")
+    p.add_argument("--max-wait-ms", type=float, help="longest wait for a batch (default 5)")
+    p.add_argument("--max-queue-size", type=int,
+                   help="rows waiting per model before 429 (default 256)")
+    p.add_argument("--request-timeout-s", type=float, help="deadline per request (default 60)")
+    p.add_argument("--graceful-timeout-s", type=float,
+                   help="how long SIGTERM waits for in-flight requests (default 30)")
+    p.add_argument("--shutdown-delay-s", type=float,
+                   help="after SIGTERM keep accepting requests this long, readiness 503, "
+                   "so load balancers stop routing first (default 0)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn  # lazy: only the serve extra has it
+    from pydantic import ValidationError
+
+    from service.app import create_app
+    from service.settings import Settings
+
+    overrides = {name: getattr(args, name) for name in _SETTING_FLAGS
+                 if getattr(args, name, None) is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as error:
+        logger.error("invalid settings: %s", error)
+        return 2
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        workers=1,  # one process owns the models and the batcher (see service/metrics.py)
+        lifespan="on",
+        timeout_graceful_shutdown=math.ceil(settings.graceful_timeout_s),
+        log_config=None,  # keep the logging set up by `attnserve --log-level`
+    )
+    server = _draining_server(config, app.state.registry, settings.shutdown_delay_s)
+    # uvicorn re-raises the signal that stopped it once it has drained; with this handler
+    # in place a drained SIGTERM (or Ctrl-C) ends the process with status 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _after_drain)
+    logger.info("serving %s on http://%s:%d", settings.models_dir, settings.host, settings.port)
+    server.run()
+    if not server.started:
+        logger.error("the server did not start")
+        return 1
+    logger.info("drained and stopped")
+    return 0
+
+
+def _draining_server(config: Any, registry: ModelRegistry, delay_s: float) -> Any:
+    """A uvicorn server whose shutdown signal turns readiness to 503 first.
+
+    With `delay_s` > 0 the server keeps accepting for that long before uvicorn's graceful
+    shutdown starts (a second signal does not wait).
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            first = not registry.draining
+            registry.begin_draining()
+            if first and delay_s > 0:
+                logger.info("shutting down in %.1fs", delay_s)
+                stop = threading.Timer(delay_s, super().handle_exit, (sig, frame))
+                stop.daemon = True
+                stop.start()
+                return
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
+
+
+def _after_drain(sig: int, frame: FrameType | None) -> None:
+    """Handler restored by uvicorn after a graceful shutdown: nothing left to do."""

@@ -1,0 +1,143 @@
+"""The FastAPI application: `create_app(settings)` wires settings, models, routes and metrics.
+
+The lifespan starts loading the models in the background (the app answers `/health/live` at
+once and turns ready when they are loaded) and, at shutdown, drains the batchers. Two ASGI
+middlewares sit around the routes: one records `requests_total` and
+`request_duration_seconds` by route template (never the raw path), one refuses bodies over
+`max_body_bytes` with a 413. Routers declare full paths (no prefixes), so the matched route's
+`path` is the template whichever way FastAPI includes routers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import metrics
+from service.errors import error_response, install_error_handlers
+from service.registry import GeneratorFactory, Loader, ModelRegistry, onnx_generator, onnx_loader
+from service.routes import generate, health, models
+from service.routes import metrics as metrics_route
+from service.settings import Settings
+
+UNMATCHED_ROUTE = "unmatched"
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    loader: Loader | None = None,
+    generator: GeneratorFactory | None = None,
+) -> FastAPI:
+    """The app serving the models of `settings.models_dir`.
+
+    `loader` and `generator` default to onnxruntime (`service.runtime`, `service.generation`);
+    tests pass fakes.
+    """
+    settings = settings or Settings()
+    registry = ModelRegistry(
+        settings, loader or onnx_loader(settings), generator or onnx_generator
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        registry.start()
+        try:
+            yield
+        finally:
+            await registry.close(settings.graceful_timeout_s)
+
+    app = FastAPI(
+        title="attnserve",
+        summary="Translation and summarization on onnxruntime, with dynamic batching",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
+    for router in (generate.router, models.router, health.router, metrics_route.router):
+        app.include_router(router)
+    return app
+
+
+class RequestMetricsMiddleware:
+    """Counts and times every HTTP request by route template, model and status class."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_record_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record_status)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or UNMATCHED_ROUTE
+            model = str(scope.get("state", {}).get("model", ""))
+            metrics.REQUESTS_TOTAL.labels(template, model, metrics.status_class(status)).inc()
+            metrics.REQUEST_DURATION_SECONDS.labels(template, model).observe(
+                time.perf_counter() - started
+            )
+
+
+class BodyLimitMiddleware:
+    """413 with the error body for a request body over `max_body_bytes` (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            response = error_response(413, self._message(), "payload_too_large")
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    # HTTPException passes FastAPI's body parsing unchanged -> handler -> 413.
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+    def _message(self) -> str:
+        return f"request body larger than {self.max_body_bytes} bytes"
+
+
+def _content_length(scope: Scope) -> int | None:
+    headers: Any = dict(scope.get("headers", []))
+    value = headers.get(b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,268 @@
+"""Dynamic batching for one model: a bounded queue, one future per row, a worker thread.
+
+Requests are admitted row by row (one row per text) into a bounded queue, or refused whole
+with `Overloaded` (429). A loop on the event loop takes the oldest row and waits at most
+`max_wait_s` for compatible rows (same beam size and token limit) to join it, up to
+`max_batch_size` rows and `max_batch_tokens` padded source tokens (times the beams). The batch
+is sorted by source length and generated in the model's own single worker thread, so the
+event loop never blocks. If generation raises, every row of that batch fails with
+`InternalError` and the loop goes on with the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from service import metrics
+from service.errors import InternalError, NotReady, Overloaded
+
+logger = logging.getLogger(__name__)
+
+
+class Generated(Protocol):
+    """What the generation function returns per row (`service.generation.GenerationResult`)."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+    @property
+    def finish_reason(self) -> str: ...
+
+
+# (sources ending with EOS, beam_size, max_new_tokens) -> one result per source, in order.
+GenerateFn = Callable[[list[list[int]], int, int], Sequence[Generated]]
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """How large a batch may grow, how long it waits to fill, how many rows may queue."""
+
+    max_batch_size: int = 32
+    max_batch_tokens: int = 8192
+    max_wait_s: float = 0.005
+    max_queue_size: int = 256
+    retry_after_s: int = 1
+
+
+@dataclass
+class BatchCounters:
+    """What the batcher has run since it started."""
+
+    batches: int = 0
+    rows: int = 0
+    max_batch_rows: int = 0
+
+
+@dataclass(frozen=True)
+class _Key:
+    """Rows batch together only when they share these generation options."""
+
+    beam_size: int
+    max_new_tokens: int
+
+
+@dataclass(eq=False)
+class _Row:
+    """One queued source and the future its request awaits."""
+
+    source: list[int]
+    key: _Key
+    future: asyncio.Future[Generated]
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+class Batcher:
+    """Groups concurrent rows of one model into batches and runs them in a worker thread."""
+
+    def __init__(self, model: str, generate_fn: GenerateFn, limits: BatchLimits) -> None:
+        self.model = model
+        self.limits = limits
+        self.counters = BatchCounters()
+        self._generate = generate_fn
+        self._queue: deque[_Row] = deque()
+        self._running: list[_Row] = []
+        self._arrived = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = True
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{model}")
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def depth(self) -> int:
+        """Rows admitted and not yet in a batch."""
+        return len(self._queue)
+
+    def start(self) -> None:
+        """Start the batching loop on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._loop(), name=f"batcher-{self.model}"
+            )
+
+    async def submit(
+        self, sources: list[list[int]], beam_size: int, max_new_tokens: int
+    ) -> list[Generated]:
+        """Generate for every source (ids ending with EOS); results in the same order.
+
+        Raises `Overloaded` when the rows do not fit in the queue, `NotReady` while draining,
+        `InternalError` when the batch of any row failed.
+        """
+        futures = self.enqueue(sources, beam_size, max_new_tokens)
+        try:
+            return list(await asyncio.gather(*futures))
+        except BaseException:
+            for future in futures:
+                if not future.done():
+                    future.cancel()  # the loop skips it if not yet batched
+                elif not future.cancelled():
+                    future.exception()  # retrieved: no "never retrieved" warning
+            raise
+
+    def enqueue(
+        self, sources: list[list[int]], beam_size: int, max_new_tokens: int
+    ) -> list[asyncio.Future[Generated]]:
+        """Admit all rows of one request, or none; returns one future per row."""
+        if not self._accepting:
+            metrics.REJECTED_TOTAL.labels(self.model, "draining").inc()
+            raise NotReady("the server is shutting down")
+        if len(self._queue) + len(sources) > self.limits.max_queue_size:
+            metrics.REJECTED_TOTAL.labels(self.model, "queue_full").inc()
+            raise Overloaded(
+                f"the queue of model {self.model!r} is full", self.limits.retry_after_s
+            )
+        loop = asyncio.get_running_loop()
+        key = _Key(beam_size, max_new_tokens)
+        rows = [_Row(list(source), key, loop.create_future()) for source in sources]
+        self._queue.extend(rows)
+        metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+        self._idle.clear()
+        self._arrived.set()
+        return [row.future for row in rows]
+
+    async def close(self, timeout_s: float) -> None:
+        """Stop admitting, let queued and running rows finish (up to `timeout_s`), stop."""
+        self._accepting = False
+        self._arrived.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            logger.error("model %s: %d rows still queued after %.0fs of draining",
+                         self.model, len(self._queue), timeout_s)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for row in [*self._running, *self._queue]:  # left over when draining timed out
+            if not row.future.done():
+                row.future.set_exception(NotReady("the server is shutting down"))
+        self._queue.clear()
+        metrics.QUEUE_DEPTH.labels(self.model).set(0)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _loop(self) -> None:
+        """Form batches forever: wait for a row, let the batch fill, run it."""
+        while True:
+            self._drop_cancelled_head()
+            if not self._queue:
+                self._idle.set()
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            head = self._queue[0]
+            flush_at = head.enqueued_at + self.limits.max_wait_s
+            while self._accepting and not self._select(head.key)[1]:
+                remaining = flush_at - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), remaining)
+                except TimeoutError:
+                    break
+            rows = self._take(head.key)
+            if rows:
+                await self._run(rows)
+
+    def _drop_cancelled_head(self) -> None:
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()
+        metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+
+    def _select(self, key: _Key) -> tuple[list[_Row], bool]:
+        """The rows the next batch of `key` would take, oldest first, and whether it is full."""
+        chosen: list[_Row] = []
+        longest = 0
+        for row in self._queue:
+            if row.key != key or row.future.done():
+                continue
+            if len(chosen) == self.limits.max_batch_size:
+                return chosen, True
+            width = max(longest, len(row.source))
+            tokens = (len(chosen) + 1) * width * key.beam_size
+            if chosen and tokens > self.limits.max_batch_tokens:
+                return chosen, True
+            chosen.append(row)
+            longest = width
+        return chosen, len(chosen) == self.limits.max_batch_size
+
+    def _take(self, key: _Key) -> list[_Row]:
+        """Remove the next batch of `key` from the queue (and rows cancelled meanwhile)."""
+        chosen, _ = self._select(key)
+        taken = set(map(id, chosen))
+        self._queue = deque(
+            row for row in self._queue if id(row) not in taken and not row.future.done()
+        )
+        metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+        return chosen
+
+    async def _run(self, rows: list[_Row]) -> None:
+        """Generate one batch in the worker thread and resolve its rows' futures."""
+        started = time.perf_counter()
+        key = rows[0].key
+        for row in rows:
+            metrics.QUEUE_DURATION_SECONDS.labels(self.model).observe(started - row.enqueued_at)
+        metrics.BATCH_SIZE.labels(self.model).observe(len(rows))
+        self.counters.batches += 1
+        self.counters.rows += len(rows)
+        self.counters.max_batch_rows = max(self.counters.max_batch_rows, len(rows))
+        rows = sorted(rows, key=lambda row: len(row.source))
+        sources = [row.source for row in rows]
+        loop = asyncio.get_running_loop()
+        self._running = rows  # failed by `close` if the loop is cancelled while they run
+        try:
+            results = await loop.run_in_executor(
+                self._executor, self._generate, sources, key.beam_size, key.max_new_tokens
+            )
+            if len(results) != len(rows):
+                raise RuntimeError(f"{len(results)} results for {len(rows)} rows")
+        except Exception:
+            self._running = []
+            logger.exception("model %s: a batch of %d rows failed", self.model, len(rows))
+            for row in rows:
+                if not row.future.done():
+                    row.future.set_exception(InternalError("inference failed"))
+            return
+        self._running = []
+        elapsed = time.perf_counter() - started
+        for row, result in zip(rows, results, strict=True):
+            self._observe(row, result, elapsed)
+            if not row.future.done():
+                row.future.set_result(result)
+
+    def _observe(self, row: _Row, result: Generated, elapsed: float) -> None:
+        generated = len(result.tokens)
+        metrics.INFERENCE_DURATION_SECONDS.labels(self.model).observe(elapsed)
+        metrics.INPUT_TOKENS_TOTAL.labels(self.model).inc(len(row.source))
+        metrics.GENERATED_TOKENS_TOTAL.labels(self.model).inc(generated)
+        if generated:
+            metrics.TIME_PER_OUTPUT_TOKEN_SECONDS.labels(self.model).observe(elapsed / generated)

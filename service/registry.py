@@ -1,0 +1,269 @@
+"""The models the server serves: discovered under the models folder, loaded in the background.
+
+Every sub-folder with a `manifest.json` is a model, named after its folder; its task is read
+from the manifest at once, so requests for a loading or failed model get a 503. At startup one
+background thread loads them one by one (hash check and sessions in the runtime's `load`,
+then a warm-up inference); each model that loads gets its batcher on the event loop and turns
+ready. A model that fails stays listed as failed with its error: the server is live but
+never ready. The server is ready when every model is, and not while draining for shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from service import metrics
+from service.batcher import Batcher, BatchLimits, GenerateFn
+from service.errors import ModelNotFound, NotReady
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+TASKS = ("translate", "summarize")
+State = Literal["loading", "ready", "failed"]
+
+
+class Runtime(Protocol):
+    """What the registry and the routes use of `service.runtime.ModelRuntime`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def task(self) -> str: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def provider(self) -> str: ...
+    @property
+    def variant(self) -> str: ...
+    @property
+    def max_source_len(self) -> int: ...
+    @property
+    def max_target_len(self) -> int: ...
+    def warmup(self) -> None: ...
+
+
+Loader = Callable[[Path], Runtime]
+GeneratorFactory = Callable[[Runtime], GenerateFn]
+
+
+def onnx_loader(settings: Settings) -> Loader:
+    """Load a model folder with `ModelRuntime.load` and the configured providers."""
+
+    def load(path: Path) -> Runtime:
+        from service.runtime import ModelRuntime  # lazy: onnxruntime only when serving
+
+        runtime: Runtime = ModelRuntime.load(
+            path, providers=list(settings.providers), threads=settings.threads,
+            variant=settings.variant,
+        )
+        return runtime
+
+    return load
+
+
+def onnx_generator(runtime: Runtime) -> GenerateFn:
+    """`service.generation.generate` bound to one runtime."""
+    from service.generation import generate
+
+    return functools.partial(generate, runtime)  # type: ignore[arg-type]
+
+
+@dataclass
+class ModelEntry:
+    """One model folder and where it stands."""
+
+    name: str
+    path: Path
+    task: str | None = None
+    state: State = "loading"
+    runtime: Runtime | None = None
+    batcher: Batcher | None = None
+    error: str | None = None
+
+
+class ModelRegistry:
+    """Loads the models in the background and hands out the ready ones."""
+
+    def __init__(self, settings: Settings, loader: Loader, generator: GeneratorFactory) -> None:
+        self.settings = settings
+        self.draining = False
+        self._loader = loader
+        self._generator = generator
+        self._entries: dict[str, ModelEntry] = {}
+        self._thread: threading.Thread | None = None
+
+    @property
+    def entries(self) -> list[ModelEntry]:
+        """Every discovered model, by name."""
+        return list(self._entries.values())
+
+    @property
+    def ready(self) -> bool:
+        """True when there are models, all of them ready, and the server is not draining."""
+        return (
+            not self.draining
+            and bool(self._entries)
+            and all(entry.state == "ready" for entry in self._entries.values())
+        )
+
+    def not_ready_reason(self) -> str:
+        """Why `ready` is False, in one line."""
+        if self.draining:
+            return "the server is shutting down"
+        if not self._entries:
+            return f"no models found in {self.settings.models_dir}"
+        waiting = [f"{e.name} ({e.state})" for e in self._entries.values() if e.state != "ready"]
+        return "models not ready: " + ", ".join(waiting)
+
+    def start(self) -> None:
+        """Discover the model folders and load them in a background thread."""
+        self._entries = {
+            path.name: ModelEntry(path.name, path, task=_manifest_task(path))
+            for path in self._discover()
+        }
+        if not self._entries:
+            logger.error("no models found in %s: the server will not turn ready",
+                         self.settings.models_dir)
+            return
+        loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(
+            target=self._load_all, args=(loop,), name="model-loader", daemon=True
+        )
+        self._thread.start()
+
+    def begin_draining(self) -> None:
+        """Turn readiness to 503 now (SIGTERM); requests in flight or still arriving are served."""
+        if not self.draining:
+            logger.info("draining: readiness is now 503, in-flight requests finish")
+        self.draining = True
+
+    async def close(self, timeout_s: float) -> None:
+        """Drain every batcher (at most `timeout_s`) and stop them."""
+        self.begin_draining()
+        batchers = [e.batcher for e in self._entries.values() if e.batcher is not None]
+        await asyncio.gather(*(batcher.close(timeout_s) for batcher in batchers))
+
+    def resolve(self, task: str, name: str | None) -> ModelEntry:
+        """The ready model `name` serving `task`, or the task's default model.
+
+        Raises `ModelNotFound` for an unknown name or task, `NotReady` for a model that is
+        loading or failed. While draining requests are still served (the batchers refuse new
+        rows only once they close).
+        """
+        entry = self._entries.get(name) if name is not None else self._default_for(task)
+        if entry is None:
+            what = f"model {name!r}" if name is not None else f"{task} model"
+            raise ModelNotFound(f"no {what} on this server")
+        if entry.task != task:
+            raise ModelNotFound(f"model {entry.name!r} does not serve {task}")
+        if entry.state == "failed":
+            raise NotReady(f"model {entry.name!r} failed to load")
+        if entry.state != "ready" or entry.runtime is None or entry.batcher is None:
+            raise NotReady(f"model {entry.name!r} is still loading")
+        return entry
+
+    def _default_for(self, task: str) -> ModelEntry | None:
+        """The first model (by name) of `task`, ready or not."""
+        return next((e for e in self._entries.values() if e.task == task), None)
+
+    def _discover(self) -> list[Path]:
+        """Sub-folders of the models folder that hold a manifest, sorted by name."""
+        root = self.settings.models_dir
+        if not root.is_dir():
+            logger.error("models folder %s does not exist", root)
+            return []
+        folders = []
+        for path in sorted(root.iterdir()):
+            if not path.is_dir() or path.name.startswith("."):
+                continue
+            if (path / MANIFEST).is_file():
+                folders.append(path)
+            else:
+                logger.warning("skipping %s: no %s", path, MANIFEST)
+        return folders
+
+    def _load_all(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Loader thread: load, check and warm up each model; publish on the event loop."""
+        for entry in list(self._entries.values()):
+            start = time.perf_counter()
+            try:
+                runtime = self._loader(entry.path)
+                if runtime.task not in TASKS:
+                    raise ValueError(f"unknown task {runtime.task!r}")
+                if entry.task is not None and runtime.task != entry.task:
+                    raise ValueError(f"task {runtime.task!r} differs from the manifest's")
+                generate = self._generator(runtime)
+                self._warm_up(runtime, generate)
+            except Exception as error:  # any failure leaves the server live, not ready
+                logger.error("model %s failed to load from %s: %s: %s", entry.name, entry.path,
+                             type(error).__name__, error, exc_info=error)
+                message = f"{type(error).__name__}: {error}"
+                self._publish(loop, self._on_failed, entry, message)
+                continue
+            seconds = time.perf_counter() - start
+            self._publish(loop, self._on_loaded, entry, runtime, generate, seconds)
+
+    @staticmethod
+    def _warm_up(runtime: Runtime, generate: GenerateFn) -> None:
+        """The runtime's own warm-up, then one short generation through the serving path."""
+        runtime.warmup()
+        tokenizer = runtime.tokenizer
+        generate([tokenizer.encode("warm up")[:4] + [tokenizer.eos_id]], 1, 2)
+
+    @staticmethod
+    def _publish(loop: asyncio.AbstractEventLoop, callback: Callable[..., None],
+                 *args: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed while loading (shutdown)
+            pass
+
+    def _on_loaded(
+        self, entry: ModelEntry, runtime: Runtime, generate: GenerateFn, seconds: float
+    ) -> None:
+        if self.draining:  # finished loading during shutdown: nothing will be served
+            return
+        settings = self.settings
+        limits = BatchLimits(
+            max_batch_size=settings.max_batch_size,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_wait_s=settings.max_wait_ms / 1000,
+            max_queue_size=settings.max_queue_size,
+            retry_after_s=settings.retry_after_s,
+        )
+        entry.batcher = Batcher(entry.name, generate, limits)
+        entry.batcher.start()
+        entry.runtime = runtime
+        entry.task = runtime.task
+        entry.state = "ready"
+        metrics.MODEL_INFO.labels(entry.name, runtime.task, runtime.provider,
+                                  runtime.variant).set(1)
+        metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(seconds)
+        logger.info("model %s ready: task %s, provider %s, variant %s, loaded in %.1fs",
+                    entry.name, runtime.task, runtime.provider, runtime.variant, seconds)
+        if self.ready:
+            logger.info("all %d models ready", len(self._entries))
+
+    def _on_failed(self, entry: ModelEntry, message: str) -> None:
+        entry.state = "failed"
+        entry.error = message
+
+
+def _manifest_task(path: Path) -> str | None:
+    """The `task` of a model folder's manifest, or None when it cannot be read (yet)."""
+    try:
+        task = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return task if isinstance(task, str) else None

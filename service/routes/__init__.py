@@ -1,0 +1,1 @@
+"""HTTP routers, one per resource: generation, models, health, metrics."""

@@ -1,0 +1,26 @@
+"""Dependencies of the routes: the settings and the model registry of the running app."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from service.registry import ModelRegistry
+from service.settings import Settings
+
+
+def get_settings(request: Request) -> Settings:
+    """The app's settings."""
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_registry(request: Request) -> ModelRegistry:
+    """The app's model registry."""
+    registry: ModelRegistry = request.app.state.registry
+    return registry
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]

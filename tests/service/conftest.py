@@ -1,0 +1,74 @@
+"""Fixtures of the service tests: an app over fake models, served in-process over httpx."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from service.app import create_app
+from service.settings import Settings
+from tests.service.fakes import FakeLoader, FakeModel, write_models
+
+MODELS = {"translate-en-it": "translate", "summarize-en": "summarize"}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def models_dir(tmp_path: Path) -> Path:
+    """A models folder with a fake translate and a fake summarize model."""
+    return write_models(tmp_path / "models", MODELS)
+
+
+@pytest.fixture
+def fake_model() -> FakeModel:
+    return FakeModel()
+
+
+AppFactory = Callable[..., FastAPI]
+
+
+@pytest.fixture
+def make_app(models_dir: Path, fake_model: FakeModel) -> AppFactory:
+    """`make_app(loader=None, **settings)`: an app over the fake models."""
+
+    def make(loader: FakeLoader | None = None, **settings: Any) -> FastAPI:
+        settings.setdefault("models_dir", models_dir)
+        return create_app(
+            Settings(**settings),
+            loader=loader or FakeLoader(),
+            generator=lambda runtime: fake_model.generate,
+        )
+
+    return make
+
+
+@asynccontextmanager
+async def serving(app: FastAPI, wait_ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
+    """Run the app's lifespan and give an httpx client talking to it in-process."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            if wait_ready:
+                await wait_until_ready(client)
+            yield client
+
+
+async def wait_until_ready(client: httpx.AsyncClient, timeout_s: float = 30) -> None:
+    """Poll `/health/ready` until 200."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (await client.get("/health/ready")).status_code != 200:
+        assert loop.time() < deadline, "the app did not turn ready"
+        await asyncio.sleep(0.01)
+

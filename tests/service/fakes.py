@@ -1,0 +1,106 @@
+"""Stand-ins for the onnxruntime runtime and generation: a character tokenizer, a model that
+reverses its input, and knobs to make it slow, failing or blocking."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
+FAIL_CHAR = "#"  # a text with this character makes its whole batch raise
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+
+
+class CharTokenizer:
+    """One id per character of `ALPHABET` (offset 4), `#` -> 1; surrounding spaces dropped."""
+
+    pad_id, unk_id, bos_id, eos_id = PAD, UNK, BOS, EOS
+
+    def encode(self, text: str) -> list[int]:
+        return [4 + ALPHABET.index(c) if c in ALPHABET else UNK for c in text.strip()]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(ALPHABET[i - 4] if i >= 4 else "?" for i in ids)
+
+
+@dataclass(frozen=True)
+class Result:
+    tokens: list[int]
+    finish_reason: str
+    score: float = 0.0
+
+
+@dataclass
+class FakeRuntime:
+    """What the registry and the routes use of a runtime."""
+
+    name: str
+    task: str
+    max_source_len: int = 64
+    max_target_len: int = 64
+    provider: str = "CPUExecutionProvider"
+    variant: str = "fp32"
+    tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
+
+    def warmup(self) -> None:
+        pass
+
+
+@dataclass
+class FakeModel:
+    """Reverses each source; records every batch; optionally slow (per batch)."""
+
+    delay_s: float = 0.0
+    batches: list[list[int]] = field(default_factory=list)  # source lengths of each batch
+    threads: set[str] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def generate(self, sources: list[list[int]], beam_size: int, max_new_tokens: int) -> list[Result]:
+        with self.lock:
+            self.batches.append([len(s) for s in sources])
+            self.threads.add(threading.current_thread().name)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if any(UNK in source for source in sources):
+            raise RuntimeError("boom: the fake model fails on '#'")
+        return [reverse(source, max_new_tokens) for source in sources]
+
+
+def reverse(source: list[int], max_new_tokens: int) -> Result:
+    """The fake model's output: the source (without EOS) reversed, cut at the token limit."""
+    out = source[:-1][::-1]
+    if len(out) >= max_new_tokens:
+        return Result(out[:max_new_tokens], "length")
+    return Result(out, "eos")
+
+
+def write_models(root: Path, models: dict[str, str]) -> Path:
+    """Folders `root/<name>/manifest.json` with the task of each model."""
+    for name, task in models.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "manifest.json").write_text(json.dumps({"task": task}))
+    return root
+
+
+class FakeLoader:
+    """Loads a FakeRuntime from a folder; can block until released, or fail for some names."""
+
+    def __init__(self, failing: Sequence[str] = (), **runtime_options: object) -> None:
+        self.failing = set(failing)
+        self.release = threading.Event()
+        self.release.set()
+        self.runtime_options = runtime_options
+
+    def __call__(self, path: Path) -> FakeRuntime:
+        self.release.wait(timeout=30)
+        if path.name in self.failing:
+            raise ValueError(f"sha256 mismatch for {path.name}/encoder.onnx")
+        task = json.loads((path / "manifest.json").read_text())["task"]
+        return FakeRuntime(path.name, task, **self.runtime_options)  # type: ignore[arg-type]

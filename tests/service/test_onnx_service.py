@@ -1,0 +1,184 @@
+"""The service over a real exported model (the tiny reversal model, onnxruntime on CPU).
+
+The service's outputs must equal the PyTorch reference decoding of the same checkpoint, alone
+or batched with other requests; the committed default models are checked when present (slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from model.checkpoint import load_model
+from model.decoding import beam_search, pad_batch
+from model.tokenizer import Tokenizer
+from service.app import create_app
+from service.settings import Settings
+from tests.service.conftest import serving
+
+pytestmark = pytest.mark.anyio
+
+# Over the tiny tokenizer's alphabet (a-o): 1 to 15 text tokens (16 with EOS is the limit).
+TEXTS = ["abc de", "a", "fgh", "ij klm", "no", "a b c", "mlk", "hello", "ab cd ef", "o n m l",
+         "abcdefghijklmn", "gf ed"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def settings_for(models_dir: Path, **overrides: Any) -> Settings:
+    """CPU, one thread, the fp32 variant (the one whose outputs equal PyTorch exactly)."""
+    options: dict[str, Any] = {
+        "models_dir": models_dir, "providers": ("CPUExecutionProvider",), "threads": 1,
+        "variant": "fp32", **overrides,
+    }
+    return Settings(**options)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tiny_model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models folder holding a copy of the tiny repository (as `models/<name>/`)."""
+    root = tmp_path_factory.mktemp("served-models")
+    shutil.copytree(tiny_model_repository, root / tiny_model_repository.name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_repository: Path) -> Any:
+    """`reference(text, beam_size, max_new_tokens)`: PyTorch decoding of one text, alone."""
+    model = load_model(tiny_model_repository)
+    tokenizer = Tokenizer.from_file(tiny_model_repository / "tokenizer.model")
+
+    def decode(text: str, beam_size: int, max_new_tokens: int) -> dict[str, Any]:
+        source = pad_batch([[*tokenizer.encode(text), tokenizer.eos_id]], tokenizer.pad_id)
+        with one_torch_thread():
+            [result] = beam_search(model, source, beam_size, max_new_tokens)
+        return {"text": tokenizer.decode(result.tokens), "finish_reason": result.finish_reason,
+                "output_tokens": len(result.tokens)}
+
+    return decode
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a busy machine: one thread is ~100x faster than contended OpenMP."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def without_input_tokens(output: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in output.items() if k != "input_tokens"}
+
+
+@pytest.mark.parametrize("beam_size", [1, 3, 8])
+@pytest.mark.parametrize("max_new_tokens", [None, 4])
+async def test_outputs_equal_the_pytorch_reference(
+    models_dir: Path, reference: Any, beam_size: int, max_new_tokens: int | None
+) -> None:
+    body: dict[str, Any] = {"texts": TEXTS, "beam_size": beam_size}
+    if max_new_tokens is not None:
+        body["max_new_tokens"] = max_new_tokens
+    async with serving(create_app(settings_for(models_dir))) as client:
+        response = await client.post("/v1/translate", json=body)
+    assert response.status_code == 200, response.text
+    outputs = response.json()["outputs"]
+    limit = max_new_tokens or 16
+    expected = [reference(text, beam_size, limit) for text in TEXTS]
+    assert [without_input_tokens(o) for o in outputs] == expected
+    if max_new_tokens is None and beam_size == 1:  # the tiny model learnt to reverse
+        assert outputs[0]["text"].strip() == "ed cba"
+
+
+async def test_concurrent_requests_are_batched_and_equal_alone(models_dir: Path) -> None:
+    app = create_app(settings_for(models_dir, max_wait_ms=20))
+    bodies = [{"text": TEXTS[i % len(TEXTS)], "beam_size": 1 + (i % 2)} for i in range(64)]
+    async with serving(app) as client:
+        alone = [(await client.post("/v1/translate", json=b)).json() for b in bodies[:4]]
+        responses = await asyncio.gather(*(client.post("/v1/translate", json=b) for b in bodies))
+        [card] = (await client.get("/v1/models")).json()["models"]
+    assert all(r.status_code == 200 for r in responses)
+    assert [r.json() for r in responses[:4]] == alone
+    for i, response in enumerate(responses):
+        assert response.json() == responses[i % len(TEXTS)].json()
+    batching = card["batching"]
+    assert batching["rows"] >= 68 and batching["max_batch_rows"] > 1
+    assert batching["batches"] < batching["rows"]
+
+
+async def test_models_reports_the_provider_and_variant(
+    models_dir: Path, tiny_model_repository: Path
+) -> None:
+    async with serving(create_app(settings_for(models_dir, variant=None))) as client:
+        [card] = (await client.get("/v1/models")).json()["models"]
+        exposition = (await client.get("/metrics")).text
+    assert card["name"] == tiny_model_repository.name
+    assert card["task"] == "translate" and card["ready"]
+    assert card["provider"] == "CPUExecutionProvider"
+    assert card["variant"] in {"int8", "fp32"}  # int8 on CPU when its quality is within bound
+    assert (card["max_source_len"], card["max_target_len"]) == (16, 16)
+    assert f'attnserve_model_info{{model="{card["name"]}",provider="CPUExecutionProvider"' \
+           in exposition
+
+
+async def test_token_limits_of_the_model(models_dir: Path) -> None:
+    async with serving(create_app(settings_for(models_dir))) as client:
+        long = await client.post("/v1/translate", json={"text": "abcdefghijklmno a"})
+        too_many = await client.post("/v1/translate", json={"text": "ab", "max_new_tokens": 17})
+        wrong_task = await client.post("/v1/summarize", json={"text": "ab"})
+    assert long.status_code == 422 and "tokens; at most 15" in long.json()["error"]
+    assert too_many.status_code == 422 and "max_new_tokens" in too_many.json()["error"]
+    assert wrong_task.status_code == 404 and wrong_task.json()["error_type"] == "model_not_found"
+
+
+async def test_a_repository_failing_its_hash_check_is_live_not_ready(
+    tiny_model_repository: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "models" / "broken"
+    shutil.copytree(tiny_model_repository, broken)
+    decoder = broken / "decoder.onnx"
+    data = bytearray(decoder.read_bytes())
+    data[-1] ^= 0xFF
+    decoder.write_bytes(bytes(data))
+    async with serving(create_app(settings_for(tmp_path / "models")), wait_ready=False) as client:
+        for _ in range(600):
+            [card] = (await client.get("/v1/models")).json()["models"]
+            if card["state"] != "loading":
+                break
+            await asyncio.sleep(0.05)
+        ready = await client.get("/health/ready")
+        live = await client.get("/health/live")
+    assert card["state"] == "failed" and "sha256" in card["error"]
+    assert ready.status_code == 503 and live.status_code == 200
+
+
+COMMITTED = sorted(p.parent for p in (ROOT / "models").glob("*/manifest.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not COMMITTED, reason="no committed models in models/")
+async def test_committed_default_models_serve_like_pytorch() -> None:
+    app = create_app(settings_for(ROOT / "models"))
+    async with serving(app) as client:
+        cards = (await client.get("/v1/models")).json()["models"]
+        for card in cards:
+            path = ROOT / "models" / card["name"]
+            model = load_model(path)
+            tokenizer = Tokenizer.from_file(path / "tokenizer.model")
+            text = "Package manager for the Debian system."
+            response = await client.post(f"/v1/{card['task']}",
+                                         json={"text": text, "model": card["name"]})
+            assert response.status_code == 200, response.text
+            source = pad_batch([[*tokenizer.encode(text), tokenizer.eos_id]], tokenizer.pad_id)
+            with one_torch_thread():
+                [expected] = beam_search(model, source, 1, card["max_target_len"])
+            assert response.json()["outputs"][0]["text"] == tokenizer.decode(expected.tokens)

@@ -1,0 +1,91 @@
+"""Settings from the environment and from the flags of `attnserve serve`."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from service import commands
+from service.cli import build_parser
+from service.settings import DEFAULT_PROVIDERS, Settings
+
+
+def test_defaults() -> None:
+    settings = Settings()
+    assert settings.models_dir == Path("models")
+    assert settings.providers == DEFAULT_PROVIDERS
+    assert settings.providers[0] == "CUDAExecutionProvider"
+
+
+def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNSERVE_PROVIDERS", "CPUExecutionProvider")
+    monkeypatch.setenv("ATTNSERVE_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("ATTNSERVE_MAX_WAIT_MS", "2.5")
+    monkeypatch.setenv("ATTNSERVE_MODELS_DIR", "/srv/models")
+    settings = Settings()
+    assert settings.providers == ("CPUExecutionProvider",)
+    assert (settings.max_batch_size, settings.max_wait_ms) == (7, 2.5)
+    assert settings.models_dir == Path("/srv/models")
+
+
+def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNSERVE_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("ATTNSERVE_PORT", "9000")
+    args = build_parser().parse_args(
+        ["serve", "--models", "elsewhere", "--max-batch-size", "3",
+         "--providers", "CUDAExecutionProvider, CPUExecutionProvider"])
+    overrides = {name: getattr(args, name) for name in commands._SETTING_FLAGS
+                 if getattr(args, name) is not None}
+    settings = Settings(**overrides)
+    assert settings.max_batch_size == 3
+    assert settings.port == 9000
+    assert settings.models_dir == Path("elsewhere")
+    assert settings.providers == DEFAULT_PROVIDERS
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"max_batch_size": 0}, {"providers": ""}, {"max_texts": 20, "max_queue_size": 10},
+     {"max_texts": 10_000}, {"port": 70000}],
+)
+def test_invalid_settings(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**bad)  # type: ignore[arg-type]
+
+
+def test_serve_refuses_invalid_settings() -> None:
+    args = build_parser().parse_args(["serve", "--max-batch-size", "0"])
+    assert args.func(args) == 2
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.draining = False
+
+    def begin_draining(self) -> None:
+        self.draining = True
+
+
+def test_sigterm_turns_readiness_off_before_uvicorn_stops() -> None:
+    import uvicorn
+
+    registry = _Registry()
+    server = commands._draining_server(uvicorn.Config(app=SimpleNamespace()), registry, 0)
+    server.handle_exit(signal.SIGTERM, None)
+    assert registry.draining and server.should_exit
+
+
+def test_shutdown_delay_keeps_serving_then_stops() -> None:
+    import uvicorn
+
+    registry = _Registry()
+    server = commands._draining_server(uvicorn.Config(app=SimpleNamespace()), registry, 0.2)
+    server.handle_exit(signal.SIGTERM, None)
+    assert registry.draining and not server.should_exit
+    time.sleep(0.5)
+    assert server.should_exit

@@ -1,0 +1,360 @@
+"""The web page `GET /` in headless Chromium: type, translate, read the attention heatmap.
+
+The page talks to the server only through the HTTP API, so by default it runs here against a
+small fake app that serves the real `service/static/index.html` and canned, correctly shaped
+answers. To run the same checks against the real app, make `base_url` serve it instead (see
+`serve`). Skips cleanly without Chromium (`.ci/run` installs it) or without `websockets`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import shutil
+import socket
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("websockets.sync.client")
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from tests.service.browser import Browser, find_chromium
+
+PAGE = Path(__file__).resolve().parents[2] / "service" / "static" / "index.html"
+SOURCE = "The cat sleeps."
+LOOK_AT_ME = Path("/tmp/attnserve-page.png")  # a copy of the screenshot, for people
+
+# ---------------------------------------------------------------- the fake server
+
+TRANSLATIONS = {SOURCE: "Il gatto dorme"}
+LAYERS, HEADS = 2, 4
+
+
+def pieces(text: str) -> list[str]:
+    """A stand-in for SentencePiece: words and punctuation, `▁` where a space was, then `</s>`."""
+    out = [("\u2581" if m.start() == 0 or text[m.start() - 1].isspace() else "") + m.group()
+           for m in re.finditer(r"\w+|[^\w\s]", text)]
+    return [*out, "</s>"]
+
+
+def tokens(text: str) -> list[dict[str, Any]]:
+    """The pieces with character offsets, as `/v1/attention` returns them."""
+    result, position = [], 0
+    for piece in pieces(text):
+        bare = piece.lstrip("\u2581")
+        start = text.find(bare, position) if piece != "</s>" else len(text)
+        end = start + len(bare) if piece != "</s>" else len(text)
+        result.append({"piece": piece, "start": start, "end": end})
+        position = end
+    return result
+
+
+def attention_maps(rows: int, cols: int, seed: int, causal: bool) -> list[list[list[list[float]]]]:
+    """[layer][head][query][key], each row a softmax peaked near the diagonal, rounded to 4."""
+    rng = random.Random(seed)
+    layers = []
+    for layer in range(LAYERS):
+        heads = []
+        for head in range(HEADS):
+            shift, sharpness = rng.choice([-1, 0, 0, 1]), 1.0 + 1.5 * head + layer
+            matrix = []
+            for q in range(rows):
+                centre = q * (cols - 1) / max(1, rows - 1) + shift
+                scores = [-sharpness * abs(k - centre) + rng.gauss(0, 0.4) for k in range(cols)]
+                limit = q + 1 if causal else cols
+                exps = [math.exp(s) if k < limit else 0.0 for k, s in enumerate(scores)]
+                total = sum(exps)
+                matrix.append([round(e / total, 4) for e in exps])
+            heads.append(matrix)
+        layers.append(heads)
+    return layers
+
+
+class FakeGenerate(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    text: str
+    model: str | None = None
+    beam_size: int = 1
+    max_new_tokens: int | None = None
+
+
+class FakeAttention(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    source: str
+    target: str | None = None
+    model: str | None = None
+    task: Literal["translate", "summarize"] | None = None
+    kinds: list[Literal["encoder", "decoder", "cross"]] = ["encoder", "decoder", "cross"]
+    layers: list[int] | None = None
+    heads: list[int] | None = None
+    average_heads: bool = False
+    decimals: int | None = None
+
+
+def fake_app() -> FastAPI:
+    """Serves the real page, and canned answers of the right shapes for the routes it uses."""
+    app = FastAPI()
+    models = {"translate": "translate-en-it", "summarize": "summarize-en"}
+
+    @app.get("/")
+    def page() -> FileResponse:
+        return FileResponse(PAGE, media_type="text/html")
+
+    @app.get("/v1/models")
+    def list_models() -> dict[str, Any]:
+        return {"models": [
+            {"name": name, "task": task, "state": "ready", "ready": True,
+             "provider": "CPUExecutionProvider", "variant": "int8", "error": None}
+            for task, name in models.items()]}
+
+    def generate(task: str, body: FakeGenerate) -> Any:
+        if "overload" in body.text:
+            return JSONResponse(
+                {"error": f"the queue of model {models[task]} is full", "error_type": "overloaded"},
+                status_code=429, headers={"Retry-After": "1"})
+        if task == "translate":
+            text = TRANSLATIONS.get(body.text, "Ciao mondo")
+        else:
+            text = " ".join(body.text.split()[:6]).rstrip(".,") + "."
+        return {"model": body.model or models[task], "outputs": [{
+            "text": text, "finish_reason": "eos", "input_tokens": len(pieces(body.text)),
+            "output_tokens": len(pieces(text))}],
+            "usage": {"input_tokens": len(pieces(body.text)), "output_tokens": len(pieces(text))}}
+
+    @app.post("/v1/translate")
+    def translate(body: FakeGenerate) -> Any:
+        return generate("translate", body)
+
+    @app.post("/v1/summarize")
+    def summarize(body: FakeGenerate) -> Any:
+        return generate("summarize", body)
+
+    @app.post("/v1/attention")
+    def attention(body: FakeAttention) -> Any:
+        target = body.target if body.target is not None else TRANSLATIONS.get(body.source, "Ciao")
+        s, t = len(pieces(body.source)), len(pieces(target))
+        shapes = {"encoder": (s, s, False), "decoder": (t, t, True), "cross": (t, s, False)}
+        return {"model": body.model or models[body.task or "translate"],
+                "source_tokens": tokens(body.source), "target_tokens": tokens(target),
+                "target_text": target,
+                "attention": {kind: attention_maps(*shapes[kind][:2], seed=len(kind),
+                                                   causal=shapes[kind][2])
+                              for kind in body.kinds}}
+
+    return app
+
+
+@contextmanager
+def serve(app: Any) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a free loopback port, in a thread; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    """Where the page is served. Swap `fake_app()` for the real app to test against it."""
+    with serve(fake_app()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium; .ci/run does)")
+    with Browser(executable, tmp_path_factory.mktemp("chromium-profile")) as b:
+        yield b
+
+
+# ---------------------------------------------------------------- helpers
+
+def post(base_url: str, path: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=30) as response:
+        return json.load(response)
+
+
+def cells(browser: Browser) -> list[dict[str, Any]]:
+    return browser.evaluate(
+        "[...document.querySelectorAll('#heatmap .cell')].map(c => ({q: +c.dataset.query,"
+        " k: +c.dataset.key, w: +c.dataset.weight}))")
+
+
+def choose(browser: Browser, select: str, value: str) -> None:
+    """Pick an option of a `<select>` the way the browser reports a user's choice."""
+    browser.evaluate(f"(() => {{ const s = document.querySelector({json.dumps(select)});"
+                     f" s.focus(); s.value = {json.dumps(value)};"
+                     " s.dispatchEvent(new Event('change', {bubbles: true})); })()")
+
+
+def show_kind(browser: Browser, kind: str) -> None:
+    """Pick an attention kind and wait for its map (the page fetches a kind when first picked)."""
+    choose(browser, "#kind", kind)
+    browser.wait_for(f"heatmap.dataset.kind === {json.dumps(kind)}"
+                     " && document.body.dataset.phase === 'done'")
+
+
+def shape(browser: Browser) -> tuple[int, int]:
+    rows, cols = browser.evaluate("[+heatmap.dataset.rows, +heatmap.dataset.cols]")
+    return rows, cols
+
+
+def assert_grid(browser: Browser, rows: int, cols: int) -> None:
+    """The heatmap has rows × cols cells, one per (query, key), and labels on both axes."""
+    found = cells(browser)
+    assert len(found) == rows * cols
+    assert {(c["q"], c["k"]) for c in found} == {(q, k) for q in range(rows) for k in range(cols)}
+    assert shape(browser) == (rows, cols)
+    labels = browser.evaluate("[document.querySelectorAll('#heatmap .lbl.row').length,"
+                              " document.querySelectorAll('#heatmap .lbl.col').length]")
+    assert labels == [rows, cols]
+    for q in range(rows):  # every map shown is a softmax over keys (or the mean of some)
+        assert sum(c["w"] for c in found if c["q"] == q) == pytest.approx(1.0, abs=2e-3)
+
+
+# ---------------------------------------------------------------- tests
+
+def test_translate_then_explore_the_heatmap(browser: Browser, base_url: str, tmp_path: Path) -> None:
+    browser.set_color_scheme("light")
+    browser.goto(base_url + "/")
+    browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+
+    # A user types a sentence and clicks Translate.
+    browser.type_text("#source", SOURCE)
+    browser.click("#translate")
+    browser.wait_for("document.body.dataset.phase === 'done'")
+    translation = post(base_url, "/v1/translate", {"text": SOURCE})["outputs"][0]["text"]
+    assert browser.evaluate("document.getElementById('output').textContent") == translation
+
+    # The page asked for the attention of exactly the output it shows (teacher forcing).
+    sent = [r for r in browser.requests() if r["url"].endswith("/v1/attention")]
+    assert sent and json.loads(sent[-1]["postData"])["target"] == translation
+    assert json.loads(sent[-1]["postData"])["source"] == SOURCE
+    expected = post(base_url, "/v1/attention", json.loads(sent[-1]["postData"]))
+    n_source, n_target = len(expected["source_tokens"]), len(expected["target_tokens"])
+    assert (n_target, n_source) == (4, 5)  # the fake's tokens; drop this line for the real app
+
+    # Cross attention (the default kind) first: target rows × source columns.
+    assert browser.evaluate("heatmap.dataset.kind") == "cross"
+    assert_grid(browser, n_target, n_source)
+    first_column = browser.evaluate("document.querySelector('#heatmap .lbl.col').textContent")
+    assert first_column == expected["source_tokens"][0]["piece"].lstrip("\u2581")
+
+    # Hover shows the weight in a tooltip and in the readout.
+    browser.hover('#heatmap .cell[data-query="1"][data-key="2"]')
+    weight = browser.evaluate(
+        "+document.querySelector('#heatmap .cell[data-query=\"1\"][data-key=\"2\"]').dataset.weight")
+    assert browser.wait_for("document.getElementById('tooltip').classList.contains('shown')")
+    tip = browser.evaluate("document.querySelector('#tooltip .tw').textContent")
+    assert float(tip) == pytest.approx(weight, abs=1e-4)
+    assert float(browser.evaluate("document.getElementById('readout-weight').textContent")) == \
+        pytest.approx(weight, abs=1e-4)
+
+    # Keyboard: the grid has one tab stop; arrow keys move the focused cell and its readout.
+    browser.evaluate("document.querySelector('#heatmap .cell[tabindex=\"0\"]').focus()")
+    for key in ("ArrowRight", "ArrowRight", "ArrowDown", "ArrowLeft"):
+        browser.press(key)
+    focused = browser.evaluate(
+        "[+document.activeElement.dataset.query, +document.activeElement.dataset.key,"
+        " +document.activeElement.dataset.weight, document.querySelectorAll("
+        "'#heatmap .cell[tabindex=\"0\"]').length]")
+    assert focused[:2] == [1, 1] and focused[3] == 1
+    readout = browser.evaluate("document.getElementById('readout-weight').textContent")
+    assert re.fullmatch(r"\d\.\d{4}", readout) and float(readout) == pytest.approx(focused[2], abs=1e-4)
+    browser.press("]")  # next head, keeping the focused cell
+    assert browser.evaluate("[document.getElementById('head').value, +document.activeElement"
+                            ".dataset.query, +document.activeElement.dataset.key]") == ["0", 1, 1]
+    browser.press("[")
+    assert browser.evaluate("document.getElementById('head').value") == "avg"
+    browser.screenshot(tmp_path / "page-light.png")
+    shutil.copyfile(tmp_path / "page-light.png", LOOK_AT_ME)
+
+    # Encoder self-attention: source × source; decoder: target × target, causal.
+    show_kind(browser, "encoder")
+    assert_grid(browser, n_source, n_source)
+    show_kind(browser, "decoder")
+    assert_grid(browser, n_target, n_target)
+    assert all(c["w"] == 0 for c in cells(browser) if c["k"] > c["q"])
+
+    # The head overview: one tile per head of the layer plus the average; a click selects one.
+    show_kind(browser, "cross")
+    kinds = [json.loads(r["postData"])["kinds"] for r in browser.requests()
+             if r["url"].endswith("/v1/attention")]
+    assert kinds == [["cross"], ["encoder"], ["decoder"]]  # one kind a call, each fetched once
+    layers = len(expected["attention"]["cross"])
+    heads = len(expected["attention"]["cross"][0])
+    assert browser.evaluate("document.querySelectorAll('#layer option').length") == layers
+    assert browser.evaluate("document.querySelectorAll('#head-grid .head-tile').length") == heads + 1
+    browser.click('#head-grid .head-tile[data-head="2"]')
+    assert browser.evaluate("[document.getElementById('head').value, heatmap.dataset.head]") == ["2", "2"]
+    assert_grid(browser, n_target, n_source)
+    last = layers - 1
+    shown = [c["w"] for c in cells(browser)]  # row-major, as rendered
+    assert shown == pytest.approx(
+        [w for row in expected["attention"]["cross"][last][2] for w in row], abs=1e-6)
+
+    # Dark mode renders too (and keeps the same grid); the page made no request elsewhere.
+    browser.set_color_scheme("dark")
+    browser.wait_for("getComputedStyle(document.body).backgroundColor !== 'rgb(244, 245, 248)'")
+    browser.hover('#heatmap .cell[data-query="2"][data-key="1"]')
+    browser.screenshot(tmp_path / "page-dark.png")
+    shutil.copyfile(tmp_path / "page-dark.png", LOOK_AT_ME.with_name("attnserve-page-dark.png"))
+    assert_grid(browser, n_target, n_source)
+    assert all(r["url"].startswith((base_url, "data:")) for r in browser.requests())
+    assert browser.page_errors() == []
+
+
+def test_query_parameters_run_a_summary(browser: Browser, base_url: str) -> None:
+    browser.set_color_scheme("light")
+    text = "Free software gives users the freedom to run, study and share programs."
+    browser.goto(f"{base_url}/?task=summarize&autorun=1&text={urllib.parse.quote(text)}")
+    browser.wait_for("document.body.dataset.phase === 'done'")
+    summary = post(base_url, "/v1/summarize", {"text": text})["outputs"][0]["text"]
+    assert browser.evaluate("document.getElementById('output').textContent") == summary
+    expected = post(base_url, "/v1/attention", {"source": text, "target": summary, "kinds": ["cross"]})
+    assert_grid(browser, len(expected["target_tokens"]), len(expected["source_tokens"]))
+    assert browser.page_errors() == []
+
+
+def test_server_errors_are_shown(browser: Browser, base_url: str) -> None:
+    """The `{"error", "error_type"}` body (here a 429 from the fake) reaches the user."""
+    browser.goto(f"{base_url}/?task=translate&autorun=1&text=overload")
+    browser.wait_for("document.body.dataset.phase === 'error'")
+    alert = browser.evaluate("document.getElementById('error').innerText")
+    assert "overloaded" in alert and "429" in alert and "is full" in alert
+    assert browser.evaluate("getComputedStyle(document.getElementById('error')).display") != "none"
+    assert browser.evaluate("document.getElementById('heatmap').hidden")
