@@ -61,19 +61,34 @@ def _register_train(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop (with a checkpoint) after this many minutes; rerun to resume")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the run file's)")
+    p.add_argument("--run-dir", default=None, help="override the run file's run_dir")
+    p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="override train.precision")
+    p.add_argument("--eval-every", type=int, default=None, help="override train.eval_every")
+    p.add_argument("--report", default=None,
+                   help="write a JSON summary (steps, target tokens/s, validation losses) here")
     p.set_defaults(func=_train)
 
 
 def _train(args: argparse.Namespace) -> int:
     import dataclasses
+    import json
     import shutil
+    from pathlib import Path
+
+    import torch
 
     from model.run_config import load_examples, load_run_config
     from model.tokenizer import Tokenizer
     from model.training import train
 
     run = load_run_config(args.config)
-    train_config = run.train if args.threads is None else dataclasses.replace(run.train, threads=args.threads)
+    overrides = {name: value for name, value in (
+        ("threads", args.threads), ("max_steps", args.max_steps), ("precision", args.precision),
+        ("eval_every", args.eval_every)) if value is not None}
+    train_config = dataclasses.replace(run.train, **overrides)
+    if args.run_dir:
+        run = dataclasses.replace(run, run_dir=Path(args.run_dir))
     tokenizer = Tokenizer.from_file(run.tokenizer_path)
     model_config = run.model_config(tokenizer)
     run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -86,6 +101,11 @@ def _train(args: argparse.Namespace) -> int:
     logger.info("stopped (%s) at step %d, epoch %d; best valid loss %.4f; %.0f target tokens/s",
                 result.stopped, result.step, result.epoch, result.best_valid_loss,
                 result.target_tokens_per_second)
+    if args.report:
+        summary = dict(dataclasses.asdict(result), task=run.task, precision=train_config.precision,
+                       threads=train_config.threads or torch.get_num_threads())
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
