@@ -4,15 +4,29 @@ calls of the encoder and decoder graphs. Torch-free (numpy, onnxruntime, sentenc
 `service.generation` builds the decoding loop on `encode`, `decode` and the `select` methods
 of `EncoderState` / `KVCache`. Graph inputs and outputs are named in `export.graph_io`.
 Only the outputs a call needs are fetched: attention weights are asked for on request only.
+
+Two ways to call the graphs, chosen per runtime (`io_binding`, auto by default):
+- numpy: `session.run` with numpy feeds; every tensor, the KV cache included, goes through host
+  memory at every decoder step.
+- IO binding: the encoder's cross keys/values and the decoder's present keys/values are bound as
+  outputs on the session's device ("cuda" on CUDAExecutionProvider, else "cpu") and fed back as
+  the next step's inputs as `onnxruntime.OrtValue`s, never copied to the host; only `logits`
+  (and attention weights, when asked for) come back to numpy. Row selection (finished rows
+  leaving the batch, beams following their parent) runs on the device too: a tiny Gather graph
+  (`RowGather`, built here without the onnx package) gathers the rows of every layer's tensor in
+  one call, a device-to-device copy of the rows kept -- no host round-trip, on either device.
+`AUTO_IO_BINDING` holds the measured default per provider (bench/results/io_binding_cpu.json).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
 import onnxruntime as ort
@@ -27,6 +41,21 @@ CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 DEFAULT_PROVIDERS = (CUDA, CPU)
 # Variants to try per execution provider, best first; only servable ones are taken.
 VARIANT_PREFERENCE = {CUDA: ("fp16", "fp32"), CPU: ("int8", "fp32")}
+# IO binding by default? CUDA: yes, so the KV cache stays on the GPU (not measured here: no GPU).
+# CPU: no. There it saves no copy (numpy arrays and CPU OrtValues share memory both ways) and
+# `python -m bench.io_binding` (bench/results/io_binding_cpu.json, 2 loaded cores) measured it
+# 7-8% slower for translate-en-it greedy with onnxruntime's default threads, 9-19% slower for the
+# tiny model; only with 1 thread was it 3% (greedy) to 7% (beam 3, cheaper row gathers) faster.
+AUTO_IO_BINDING = {CUDA: True, CPU: False}
+
+# A tensor as the graph calls hand it over: numpy on the host, or an OrtValue on the session's
+# device (IO binding).
+Tensor: TypeAlias = np.ndarray | ort.OrtValue
+# Gathers batch rows of tensors that live on a device: (tensors, rows) -> tensors.
+Gatherer: TypeAlias = Callable[[list[ort.OrtValue], np.ndarray], list[ort.OrtValue]]
+
+# numpy dtypes of the graphs' float tensor types, as onnxruntime names them
+_NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
 
 class ModelError(Exception):
@@ -38,22 +67,46 @@ class ModelLoadError(ModelError):
     no usable execution provider or variant, or a graph onnxruntime refuses."""
 
 
+def shape(tensor: Tensor) -> tuple[int, ...]:
+    """The shape of a numpy array or an OrtValue."""
+    return tuple(tensor.shape()) if isinstance(tensor, ort.OrtValue) else tuple(tensor.shape)
+
+
+def to_numpy(tensor: Tensor) -> np.ndarray:
+    """A host copy (or view, for a CPU OrtValue) of a tensor."""
+    return tensor.numpy() if isinstance(tensor, ort.OrtValue) else tensor
+
+
+def _take(tensors: list[Tensor], rows: np.ndarray, gather: Gatherer | None) -> list[Tensor]:
+    """Rows of each tensor: numpy indexing on the host, `gather` on the device for OrtValues."""
+    if tensors and isinstance(tensors[0], ort.OrtValue):
+        if gather is None:  # an OrtValue without a device gatherer: through the host
+            return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(to_numpy(t)[rows])) for t in tensors]
+        return list(gather(tensors, rows))
+    return [t[rows] for t in tensors]  # type: ignore[index]
+
+
 @dataclass
 class EncoderState:
     """What the decoder needs from the encoder, per batch row."""
 
     source_mask: np.ndarray  # (B, S) bool, True on real source tokens
-    cross_keys: list[np.ndarray]  # per decoder layer (B, h, S, d)
-    cross_values: list[np.ndarray]  # per decoder layer (B, h, S, d)
+    cross_keys: list[Tensor]  # per decoder layer (B, h, S, d); OrtValues on the device with IO binding
+    cross_values: list[Tensor]  # per decoder layer (B, h, S, d)
     attentions: list[np.ndarray] | None = None  # per encoder layer (B, h, S, S), when asked for
+    gather: Gatherer | None = field(default=None, repr=False, compare=False)  # row selection on the device
 
     def select(self, rows: np.ndarray) -> EncoderState:
         """Keep, reorder or repeat batch rows (finished rows leave, beams follow their parent)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        layers = len(self.cross_keys)
+        cross = _take([*self.cross_keys, *self.cross_values], rows, self.gather)
         return EncoderState(
             self.source_mask[rows],
-            [k[rows] for k in self.cross_keys],
-            [v[rows] for v in self.cross_values],
+            cross[:layers],
+            cross[layers:],
             None if self.attentions is None else [a[rows] for a in self.attentions],
+            self.gather,
         )
 
 
@@ -61,23 +114,27 @@ class EncoderState:
 class KVCache:
     """Self-attention keys and values of the positions decoded so far."""
 
-    keys: list[np.ndarray]  # per decoder layer (B, h, P, d)
-    values: list[np.ndarray]  # per decoder layer (B, h, P, d)
+    keys: list[Tensor]  # per decoder layer (B, h, P, d); OrtValues on the device with IO binding
+    values: list[Tensor]  # per decoder layer (B, h, P, d)
+    gather: Gatherer | None = field(default=None, repr=False, compare=False)  # row selection on the device
 
     @property
     def length(self) -> int:
-        return int(self.keys[0].shape[2])
+        return int(shape(self.keys[0])[2])
 
     def select(self, rows: np.ndarray) -> KVCache:
-        return KVCache([k[rows] for k in self.keys], [v[rows] for v in self.values])
+        rows = np.asarray(rows, dtype=np.int64)
+        layers = len(self.keys)
+        kept = _take([*self.keys, *self.values], rows, self.gather)
+        return KVCache(kept[:layers], kept[layers:], self.gather)
 
 
 @dataclass
 class DecoderStep:
     """One call of the decoder graph."""
 
-    logits: np.ndarray  # (B, T, V) float32
-    cache: KVCache  # grown by T positions
+    logits: np.ndarray  # (B, T, V) float32, on the host
+    cache: KVCache  # grown by T positions (on the device with IO binding)
     self_attentions: list[np.ndarray] | None = None  # per layer (B, h, T, P+T)
     cross_attentions: list[np.ndarray] | None = None  # per layer (B, h, T, S)
 
@@ -94,6 +151,10 @@ class ModelRuntime:
     variant: str  # "fp32" | "int8" | "fp16"
     encoder: ort.InferenceSession
     decoder: ort.InferenceSession
+    io_binding: bool = False  # keep cross keys/values and the KV cache on the device (OrtValues)
+    device: str = "cpu"  # where IO binding keeps them: "cuda" | "cpu"
+    device_id: int = 0
+    gather: Gatherer | None = field(default=None, repr=False)  # row selection on the device (IO binding)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -104,12 +165,14 @@ class ModelRuntime:
         providers: Sequence[str] = DEFAULT_PROVIDERS,
         threads: int = 0,
         variant: str | None = None,
+        io_binding: bool | None = None,
     ) -> ModelRuntime:
         """Read the manifest, verify every file's sha256, pick provider and variant, build sessions.
 
         `threads` sets each session's intra-op threads (0: onnxruntime's default, one per core);
         `variant` forces a variant (even one not marked servable); by default the first servable
-        one of `VARIANT_PREFERENCE` for the provider in use.
+        one of `VARIANT_PREFERENCE` for the provider in use. `io_binding` keeps the KV cache on
+        the session's device between decoder steps; None: `AUTO_IO_BINDING` of the provider.
         """
         started = time.perf_counter()
         directory = Path(model_dir)
@@ -133,9 +196,15 @@ class ModelRuntime:
             if encoder.get_providers()[0] != provider:  # e.g. CUDA listed but its libraries missing
                 logger.warning("%s: %s did not start, trying the next provider", manifest.name, provider)
                 continue
-            runtime = cls(manifest.name, manifest.task, manifest, tokenizer, provider, chosen, encoder, decoder)
-            logger.info("loaded %s (%s, variant %s, %s) in %.2fs", manifest.name, manifest.task, chosen,
-                        provider, time.perf_counter() - started)
+            bind = AUTO_IO_BINDING.get(provider, False) if io_binding is None else io_binding
+            device, device_id = _device(decoder, provider)
+            gather = RowGather(provider, device, device_id, threads) if bind else None
+            runtime = cls(manifest.name, manifest.task, manifest, tokenizer, provider, chosen, encoder, decoder,
+                          bind, device, device_id, gather)
+            runtime._check_cache_dtype()
+            logger.info("loaded %s (%s, variant %s, %s, %s) in %.2fs", manifest.name, manifest.task, chosen,
+                        provider, f"IO binding on {device}" if bind else "numpy I/O",
+                        time.perf_counter() - started)
             return runtime
         raise ModelLoadError(f"{directory}: no variant of {sorted(manifest.variants)} can run on {usable}"
                              + (f" (asked for {variant!r})" if variant else ""))
@@ -186,6 +255,19 @@ class ModelRuntime:
     def head_dim(self) -> int:
         return int(self.manifest.model_config["d_model"]) // self.n_heads
 
+    @property
+    def cache_dtype(self) -> np.dtype:
+        """The dtype of the decoder's past keys/values, from the session (float32 unless a
+        variant was converted without keeping float32 I/O)."""
+        types = {i.name: i.type for i in self.decoder.get_inputs()}
+        return np.dtype(_NUMPY_DTYPES.get(types.get("past_key.0", "tensor(float)"), np.float32))
+
+    def _check_cache_dtype(self) -> None:
+        types = {i.name: i.type for i in self.decoder.get_inputs()}
+        kind = types.get("past_key.0", "tensor(float)")
+        if kind not in _NUMPY_DTYPES:
+            raise ModelLoadError(f"{self.name}: unsupported KV cache type {kind}")
+
     # -- graph calls -----------------------------------------------------------------------
 
     def pad(self, sources: Sequence[Sequence[int]]) -> np.ndarray:
@@ -202,19 +284,25 @@ class ModelRuntime:
         if need_attention:
             names = graph_io.encoder_attention_outputs(self.n_encoder_layers) + names
         feeds = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64)}
-        outputs = dict(zip(names, self.encoder.run(names, feeds), strict=True))
+        outputs: dict[str, Tensor]
+        if self.io_binding:  # cross keys/values stay on the device, attention weights come to the host
+            outputs = self._run_bound(self.encoder, feeds, names, on_device=set(graph_io.cross_names(layers)))
+        else:
+            outputs = dict(zip(names, self.encoder.run(names, feeds), strict=True))
         return EncoderState(
-            source_mask=input_ids != self.pad_id,
+            source_mask=np.asarray(input_ids) != self.pad_id,
             cross_keys=[outputs[f"cross_key.{i}"] for i in range(layers)],
             cross_values=[outputs[f"cross_value.{i}"] for i in range(layers)],
-            attentions=[outputs[n] for n in graph_io.encoder_attention_outputs(self.n_encoder_layers)]
+            attentions=[outputs[n] for n in graph_io.encoder_attention_outputs(self.n_encoder_layers)]  # type: ignore[misc]
             if need_attention else None,
+            gather=self.gather,
         )
 
     def empty_cache(self, batch: int) -> KVCache:
-        """A cache with past length 0."""
-        empty = np.zeros((batch, self.n_heads, 0, self.head_dim), dtype=np.float32)
-        return KVCache([empty] * self.n_decoder_layers, [empty] * self.n_decoder_layers)
+        """A cache with past length 0 (host arrays of the session's cache dtype: with IO binding
+        onnxruntime copies their zero bytes to the device)."""
+        empty = np.zeros((batch, self.n_heads, 0, self.head_dim), dtype=self.cache_dtype)
+        return KVCache([empty] * self.n_decoder_layers, [empty] * self.n_decoder_layers, self.gather)
 
     def decode(
         self,
@@ -238,7 +326,7 @@ class ModelRuntime:
             positions = np.broadcast_to(np.arange(past, past + length, dtype=np.int64), (batch, length))
         if target_mask is None:
             target_mask = np.ones((batch, past + length), dtype=bool)
-        feeds: dict[str, np.ndarray] = {
+        feeds: dict[str, Tensor] = {
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "positions": np.ascontiguousarray(positions, dtype=np.int64),
             "source_mask": state.source_mask,
@@ -250,14 +338,42 @@ class ModelRuntime:
         names = ["logits", *graph_io.present_names(layers)]
         if need_attention:
             names += graph_io.decoder_attention_outputs(layers)
-        out = dict(zip(names, self.decoder.run(names, feeds), strict=True))
+        out: dict[str, Tensor]
+        if self.io_binding:  # presents stay on the device; logits and attention weights come to the host
+            out = self._run_bound(self.decoder, feeds, names, on_device=set(graph_io.present_names(layers)))
+        else:
+            host = {k: to_numpy(v) for k, v in feeds.items()}  # OrtValues only if handed over from IO binding
+            out = dict(zip(names, self.decoder.run(names, host), strict=True))
         return DecoderStep(
-            logits=out["logits"],
+            logits=out["logits"],  # type: ignore[arg-type]
             cache=KVCache([out[f"present_key.{i}"] for i in range(layers)],
-                          [out[f"present_value.{i}"] for i in range(layers)]),
-            self_attentions=[out[f"self_attention.{i}"] for i in range(layers)] if need_attention else None,
-            cross_attentions=[out[f"cross_attention.{i}"] for i in range(layers)] if need_attention else None,
+                          [out[f"present_value.{i}"] for i in range(layers)], self.gather),
+            self_attentions=[out[f"self_attention.{i}"] for i in range(layers)]  # type: ignore[misc]
+            if need_attention else None,
+            cross_attentions=[out[f"cross_attention.{i}"] for i in range(layers)]  # type: ignore[misc]
+            if need_attention else None,
         )
+
+    def _run_bound(self, session: ort.InferenceSession, feeds: dict[str, Tensor], names: list[str],
+                   on_device: set[str]) -> dict[str, Tensor]:
+        """One call with IO binding: OrtValue feeds are bound where they are (no copy), numpy
+        feeds from host memory; outputs in `on_device` stay on the device as OrtValues, the
+        others are copied to the host and returned as numpy arrays."""
+        binding = session.io_binding()  # one per call: sessions are shared by worker threads
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for name in names:
+            if name in on_device:
+                binding.bind_output(name, self.device, self.device_id)
+            else:
+                binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        values = binding.get_outputs()  # in the order bound
+        return {name: value if name in on_device else value.numpy()
+                for name, value in zip(names, values, strict=True)}
 
     @staticmethod
     def select(state: EncoderState | KVCache, rows: Sequence[int] | np.ndarray) -> EncoderState | KVCache:
@@ -313,3 +429,98 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int) ->
         except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph/... types
             raise ModelLoadError(f"{directory / path}: onnxruntime cannot load it: {error}") from error
     return tuple(sessions)
+
+
+def _device(session: ort.InferenceSession, provider: str) -> tuple[str, int]:
+    """The device IO binding keeps tensors on: ("cuda", its id) on CUDA, else ("cpu", 0)."""
+    if provider != CUDA:
+        return "cpu", 0
+    options = session.get_provider_options().get(CUDA, {})
+    return "cuda", int(options.get("device_id", 0))
+
+
+class RowGather:
+    """Row selection of OrtValues on the device they live on, without a host round-trip.
+
+    onnxruntime's Python API has no tensor indexing, so each call runs a tiny graph: one
+    `Gather(axis=0)` per tensor sharing a `rows` input, with IO binding, outputs left on the
+    device. Its cost is one device-to-device copy of the rows kept (what numpy indexing costs on
+    the host) plus one graph call. Graphs are built here, without the onnx package (not a serving
+    dependency), one per tuple of (element type, rank) of the tensors, and cached.
+    """
+
+    def __init__(self, provider: str, device: str, device_id: int, threads: int = 0) -> None:
+        self.device, self.device_id = device, device_id
+        self._providers: list = ([(CUDA, {"device_id": str(device_id)}), CPU] if provider == CUDA else [CPU])
+        self._threads = threads
+        self._sessions: dict[tuple[tuple[int, int], ...], ort.InferenceSession] = {}
+        self._lock = threading.Lock()
+
+    def session(self, tensors: tuple[tuple[int, int], ...]) -> ort.InferenceSession:
+        with self._lock:
+            session = self._sessions.get(tensors)
+            if session is None:
+                options = ort.SessionOptions()
+                options.intra_op_num_threads = self._threads
+                options.inter_op_num_threads = 1
+                options.log_severity_level = 3  # no warnings about nodes placed on the CPU
+                session = ort.InferenceSession(gather_graph(tensors), options, providers=self._providers)
+                self._sessions[tensors] = session
+            return session
+
+    def __call__(self, tensors: list[ort.OrtValue], rows: np.ndarray) -> list[ort.OrtValue]:
+        session = self.session(tuple((t.element_type(), len(t.shape())) for t in tensors))
+        binding = session.io_binding()
+        binding.bind_cpu_input("rows", np.ascontiguousarray(rows, dtype=np.int64))
+        for i, tensor in enumerate(tensors):
+            binding.bind_ortvalue_input(f"x{i}", tensor)
+            binding.bind_output(f"y{i}", self.device, self.device_id)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()
+
+
+# -- a minimal ONNX ModelProto writer (protobuf wire format), for `gather_graph` ---------------
+
+_INT64 = 7  # TensorProto.INT64
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _int(field_number: int, value: int) -> bytes:
+    return _varint(field_number << 3) + _varint(value)
+
+
+def _message(field_number: int, payload: bytes | str) -> bytes:
+    data = payload.encode() if isinstance(payload, str) else payload
+    return _varint(field_number << 3 | 2) + _varint(len(data)) + data
+
+
+def _value_info(name: str, element_type: int, dims: list[str]) -> bytes:
+    """ValueInfoProto: name, TypeProto.tensor_type (elem_type, shape of named dynamic dims)."""
+    shape = b"".join(_message(1, _message(2, d)) for d in dims)
+    return _message(1, name) + _message(2, _message(1, _int(1, element_type) + _message(2, shape)))
+
+
+def gather_graph(tensors: tuple[tuple[int, int], ...], opset: int = 13) -> bytes:
+    """A serialized ONNX model: inputs `rows` (int64 [n]) and `x0..`, outputs
+    `yi = Gather(xi, rows, axis=0)`; `tensors` are the (ONNX element type, rank) of the `xi`."""
+    nodes = b"".join(
+        _message(1, _message(1, f"x{i}") + _message(1, "rows") + _message(2, f"y{i}") + _message(3, f"gather{i}")
+                 + _message(4, "Gather") + _message(5, _message(1, "axis") + _int(3, 0) + _int(20, 2)))
+        for i in range(len(tensors)))
+    inputs = _message(11, _value_info("rows", _INT64, ["rows"])) + b"".join(
+        _message(11, _value_info(f"x{i}", t, [f"x{i}_{a}" for a in range(rank)]))
+        for i, (t, rank) in enumerate(tensors))
+    outputs = b"".join(
+        _message(12, _value_info(f"y{i}", t, ["rows"] + [f"x{i}_{a}" for a in range(1, rank)]))
+        for i, (t, rank) in enumerate(tensors))
+    graph = nodes + _message(2, "row_gather") + inputs + outputs
+    opset_import = _message(1, "") + _int(2, opset)
+    return _int(1, 8) + _message(2, "attnserve") + _message(7, graph) + _message(8, opset_import)  # ir_version 8
