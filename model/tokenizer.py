@@ -143,6 +143,21 @@ class Tokenizer:
             return self._offsets_from_proto(text)
         return [int(i) for i in out["ids"]], [(int(s), int(e)) for s, e in out["offsets"]]
 
+    def decode_with_offsets(self, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+        """`decode(ids)` and, for each id, the (start, end) character span of its piece there.
+
+        Special pieces (bos, eos, pad) span nothing (start == end); a piece with a leading `▁`
+        spans its space too, except the first (decoding drops that space).
+        """
+        values = [int(i) for i in ids]
+        try:
+            proto = self._sp.decode(values, return_type="proto")  # type: ignore[call-arg]
+        except (ValueError, TypeError):  # sentencepiece < 0.2.1
+            proto = self._sp.decode(values, out_type="immutable_proto")  # type: ignore[arg-type]
+        text = str(proto.text)
+        char_at = _byte_to_char(text)
+        return text, [(char_at[p.begin], char_at[p.end]) for p in proto.pieces]
+
     def _offsets_from_proto(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Offsets from the piece proto of older sentencepiece versions (byte offsets)."""
         proto = self._sp.encode(text, out_type="immutable_proto")  # type: ignore[arg-type]

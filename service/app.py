@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import metrics
 from service.errors import error_response, install_error_handlers
 from service.registry import GeneratorFactory, Loader, ModelRegistry, onnx_generator, onnx_loader
-from service.routes import generate, health, models
+from service.routes import attention, generate, health, models, page
 from service.routes import metrics as metrics_route
 from service.settings import Settings
 
@@ -64,7 +64,8 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
-    for router in (generate.router, models.router, health.router, metrics_route.router):
+    for router in (generate.router, attention.router, models.router, health.router,
+                   metrics_route.router, page.router):
         app.include_router(router)
     return app
 

@@ -6,7 +6,8 @@ with `Overloaded` (429). A loop on the event loop takes the oldest row and waits
 `max_batch_size` rows and `max_batch_tokens` padded source tokens (times the beams). The batch
 is sorted by source length and generated in the model's own single worker thread, so the
 event loop never blocks. If generation raises, every row of that batch fails with
-`InternalError` and the loop goes on with the next batch.
+`InternalError` and the loop goes on with the next batch. Other work on the model (attention
+maps) runs in the same worker thread between batches, through `run`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from service import metrics
 from service.errors import InternalError, NotReady, Overloaded
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Generated(Protocol):
@@ -92,6 +95,9 @@ class Batcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._accepting = True
+        self._jobs = 0  # calls of `run` admitted and not finished
+        self._jobs_done = asyncio.Event()
+        self._jobs_done.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{model}")
         self._task: asyncio.Task[None] | None = None
 
@@ -147,12 +153,41 @@ class Batcher:
         self._arrived.set()
         return [row.future for row in rows]
 
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the model's worker thread, between batches (never beside one).
+
+        Admitted like rows: `NotReady` while draining, `Overloaded` when the queue and the
+        calls waiting fill `max_queue_size`; `InternalError` when `fn` raises (logged).
+        """
+        if not self._accepting:
+            metrics.REJECTED_TOTAL.labels(self.model, "draining").inc()
+            raise NotReady("the server is shutting down")
+        if len(self._queue) + self._jobs + 1 > self.limits.max_queue_size:
+            metrics.REJECTED_TOTAL.labels(self.model, "queue_full").inc()
+            raise Overloaded(
+                f"the queue of model {self.model!r} is full", self.limits.retry_after_s
+            )
+        self._jobs += 1
+        self._jobs_done.clear()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except Exception as error:
+            logger.error("model %s: %s failed", self.model, getattr(fn, "__name__", fn),
+                         exc_info=error)
+            raise InternalError("inference failed") from None
+        finally:
+            self._jobs -= 1
+            if not self._jobs:
+                self._jobs_done.set()
+
     async def close(self, timeout_s: float) -> None:
         """Stop admitting, let queued and running rows finish (up to `timeout_s`), stop."""
         self._accepting = False
         self._arrived.set()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await asyncio.wait_for(
+                asyncio.gather(self._idle.wait(), self._jobs_done.wait()), timeout_s
+            )
         except TimeoutError:
             logger.error("model %s: %d rows still queued after %.0fs of draining",
                          self.model, len(self._queue), timeout_s)

@@ -154,18 +154,20 @@ class ModelRegistry:
         batchers = [e.batcher for e in self._entries.values() if e.batcher is not None]
         await asyncio.gather(*(batcher.close(timeout_s) for batcher in batchers))
 
-    def resolve(self, task: str, name: str | None) -> ModelEntry:
-        """The ready model `name` serving `task`, or the task's default model.
+    def resolve(self, task: str | None, name: str | None) -> ModelEntry:
+        """The ready model `name` serving `task` (any task when None), or the task's default.
 
         Raises `ModelNotFound` for an unknown name or task, `NotReady` for a model that is
         loading or failed. While draining requests are still served (the batchers refuse new
         rows only once they close).
         """
-        entry = self._entries.get(name) if name is not None else self._default_for(task)
+        if name is None and task is None:
+            raise ValueError("give a task or a model name")
+        entry = self._entries.get(name) if name is not None else self._default_for(str(task))
         if entry is None:
             what = f"model {name!r}" if name is not None else f"{task} model"
             raise ModelNotFound(f"no {what} on this server")
-        if entry.task != task:
+        if task is not None and entry.task != task:
             raise ModelNotFound(f"model {entry.name!r} does not serve {task}")
         if entry.state == "failed":
             raise NotReady(f"model {entry.name!r} failed to load")

@@ -15,9 +15,16 @@ MAX_TEXTS = 256
 MAX_TEXT_CHARS = 100_000
 MAX_BEAM_SIZE = 8
 MAX_NEW_TOKENS = 4096
+MAX_ATTENTION_INDICES = 256  # layers or heads listed in one /v1/attention request
+MAX_DECIMALS = 8
 
 Text = Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
 FinishReason = Literal["eos", "length"]
+Task = Literal["translate", "summarize"]
+AttentionKind = Literal["encoder", "decoder", "cross"]
+Indices = Annotated[
+    list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_ATTENTION_INDICES)
+]
 
 
 class GenerateRequest(BaseModel):
@@ -34,15 +41,18 @@ class GenerateRequest(BaseModel):
     max_new_tokens: int | None = Field(
         None, ge=1, le=MAX_NEW_TOKENS, description="defaults to the server's setting"
     )
-    return_attention: bool = Field(default=False, description="not supported here yet")
+    return_attention: bool = Field(
+        default=False,
+        description="add to each output its cross-attention (last decoder layer, mean of the "
+        "heads), one row per generated token (and `</s>` when it ended with one), one column "
+        "per source token (and `</s>`), with the tokens of both",
+    )
     stream: bool = Field(default=False, description="not supported yet")
 
     @model_validator(mode="after")
     def _one_input(self) -> Self:
         if (self.text is None) == (self.texts is None):
             raise ValueError("give exactly one of `text` and `texts`")
-        if self.return_attention:
-            raise ValueError("`return_attention` is not supported here; use /v1/attention")
         if self.stream:
             raise ValueError("`stream` is not supported yet")
         return self
@@ -53,13 +63,29 @@ class GenerateRequest(BaseModel):
         return self.texts if self.texts is not None else [self.text or ""]
 
 
+class Token(BaseModel):
+    """A SentencePiece piece and the characters `text[start:end]` it stands for.
+
+    `▁` in a piece is a space; special pieces (`</s>`) span no characters (start == end).
+    """
+
+    piece: str
+    start: int
+    end: int
+
+
 class Output(BaseModel):
-    """One generated text."""
+    """One generated text; the attention fields only when `return_attention` was asked."""
 
     text: str
     finish_reason: FinishReason
     input_tokens: int
     output_tokens: int
+    attention: list[list[float]] | None = Field(
+        None, description="[target token][source token]: last decoder layer, mean of heads"
+    )
+    source_tokens: list[Token] | None = None
+    target_tokens: list[Token] | None = None
 
 
 class Usage(BaseModel):
@@ -75,6 +101,64 @@ class GenerateResponse(BaseModel):
     model: str
     outputs: list[Output]
     usage: Usage
+
+
+def _cross_only() -> list[AttentionKind]:
+    return ["cross"]
+
+
+class AttentionRequest(BaseModel):
+    """Body of `POST /v1/attention`: the attention maps of a source and a target.
+
+    Without `target`, the model's greedy output is the target (and is returned). The maps come
+    from one teacher-forced pass over the decoder input `<s>` + target.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    source: Text
+    target: Text | None = Field(None, description="teacher-forced; generated when absent")
+    model: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = Field(
+        None, description="defaults to the task's model"
+    )
+    task: Task | None = Field(None, description="the model's task; translate by default")
+    kinds: Annotated[list[AttentionKind], Field(min_length=1, max_length=3)] = Field(
+        default_factory=_cross_only
+    )
+    layers: Indices | None = Field(None, description="layer indices, in this order; all if absent")
+    heads: Indices | None = Field(None, description="head indices, in this order; all if absent")
+    average_heads: bool = Field(
+        default=False, description="one mean over the (selected) heads in place of the heads"
+    )
+    decimals: int = Field(default=4, ge=1, le=MAX_DECIMALS, description="weights rounded to")
+
+    @model_validator(mode="after")
+    def _no_repeats(self) -> Self:
+        for name in ("kinds", "layers", "heads"):
+            values = getattr(self, name)
+            if values is not None and len(set(values)) != len(values):
+                raise ValueError(f"`{name}` lists a value twice")
+        return self
+
+
+class AttentionResponse(BaseModel):
+    """Response of `POST /v1/attention`; `attention` holds only the kinds asked for.
+
+    Each kind is `[layer][head][query][key]`: encoder `[source][source]`, decoder
+    `[target][target]` (zero above the diagonal), cross `[target][source]`. Source tokens are
+    the source's pieces, then `</s>`. The decoder's position i reads `<s>` + target[:i] and is
+    labelled by the token it predicts, `target_tokens[i]`: the target's pieces, then `</s>`.
+    """
+
+    model: str
+    source_tokens: list[Token]
+    target_tokens: list[Token]
+    target_text: str = Field(description="the target given, or the one generated")
+    generated: bool = Field(description="whether the model generated the target")
+    layers: dict[AttentionKind, list[int]] = Field(description="layer indices of each kind")
+    heads: list[int] = Field(description="head indices (averaged into one with average_heads)")
+    average_heads: bool
+    attention: dict[AttentionKind, list[list[list[list[float]]]]]
 
 
 class ErrorBody(BaseModel):

@@ -50,6 +50,18 @@ class Settings(BaseSettings):
     )
     max_body_bytes: int = Field(default=1_000_000, ge=1024, description="larger: 413")
 
+    # Attention maps (`POST /v1/attention`): a response holds layers x heads x queries x keys
+    # numbers per kind, so both axes and the total are capped (422 beyond).
+    attention_max_source_tokens: int = Field(
+        default=128, ge=1, description="source tokens (without EOS) of /v1/attention"
+    )
+    attention_max_target_tokens: int = Field(
+        default=128, ge=1, description="target tokens (given or generated, without EOS)"
+    )
+    attention_max_cells: int = Field(
+        default=1_000_000, ge=1, description="weights in one /v1/attention response, all kinds"
+    )
+
     # Deadlines and shutdown.
     request_timeout_s: float = Field(default=60.0, gt=0, description="per request")
     graceful_timeout_s: float = Field(default=30.0, ge=0, description="drain after SIGTERM")

@@ -2,22 +2,28 @@
 
 The stages of one request: schema validation (FastAPI), the configured limits, tokenization
 with the model's limits, admission into the model's batcher (429 when full), waiting for the
-batch under the request's deadline (504), detokenization.
+batch under the request's deadline (504), detokenization. With `return_attention`, one more
+teacher-forced pass over the outputs, in the model's worker thread, gives their cross-attention
+(`service.attention.alignments`; exact for greedy and beam search alike).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
-from service import metrics
+from service import attention, metrics
 from service.errors import DeadlineExceeded, InvalidInput
-from service.registry import ModelRegistry, Runtime
+from service.registry import ModelEntry, ModelRegistry, Runtime
 from service.routes.deps import RegistryDep, SettingsDep
 from service.schemas import ErrorBody, GenerateRequest, GenerateResponse, Output, Usage
 from service.settings import Settings
+
+T = TypeVar("T")
 
 router = APIRouter(tags=["generate"])
 
@@ -26,7 +32,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 }
 
 
-@router.post("/v1/translate", responses=ERROR_RESPONSES)
+@router.post("/v1/translate", responses=ERROR_RESPONSES, response_model_exclude_none=True)
 async def translate(
     body: GenerateRequest, request: Request, registry: RegistryDep, settings: SettingsDep
 ) -> GenerateResponse:
@@ -34,7 +40,7 @@ async def translate(
     return await _generate("translate", body, request, registry, settings)
 
 
-@router.post("/v1/summarize", responses=ERROR_RESPONSES)
+@router.post("/v1/summarize", responses=ERROR_RESPONSES, response_model_exclude_none=True)
 async def summarize(
     body: GenerateRequest, request: Request, registry: RegistryDep, settings: SettingsDep
 ) -> GenerateResponse:
@@ -57,32 +63,72 @@ async def _generate(
     texts = body.inputs
     where = ["text"] if body.texts is None else [f"texts.{i}" for i in range(len(texts))]
     _check_texts(texts, where, settings)
+    # 422 now, rather than after generating, for a model without attention outputs.
+    maps_runtime = attention_runtime(runtime) if body.return_attention else None
     sources = _encode(runtime, texts, where, settings)
     max_new_tokens = _max_new_tokens(body.max_new_tokens, runtime, settings)
-    remaining = settings.request_timeout_s - (time.perf_counter() - started)
-    try:
-        results = await asyncio.wait_for(
-            entry.batcher.submit(sources, body.beam_size, max_new_tokens), remaining
+    results = await within_deadline(
+        entry.batcher.submit(sources, body.beam_size, max_new_tokens), entry, started, settings
+    )
+    extras: list[dict[str, Any]] = [{} for _ in results]
+    if maps_runtime is not None:
+        generated = [(list(r.tokens), r.finish_reason == "eos") for r in results]
+        maps = await within_deadline(
+            entry.batcher.run(attention.alignments, maps_runtime, sources, generated),
+            entry, started, settings,
         )
-    except TimeoutError:
-        metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()
-        raise DeadlineExceeded(
-            f"no result within the deadline of {settings.request_timeout_s:g}s"
-        ) from None
+        for i, extra in enumerate(extras):
+            source_tokens, target_tokens = _alignment_labels(runtime, texts[i], *generated[i])
+            extra.update(attention=maps[i], source_tokens=source_tokens,
+                         target_tokens=target_tokens)
     outputs = [
         Output(
             text=runtime.tokenizer.decode(result.tokens),
             finish_reason=result.finish_reason,  # type: ignore[arg-type]
             input_tokens=len(source),
             output_tokens=len(result.tokens),
+            **extra,
         )
-        for source, result in zip(sources, results, strict=True)
+        for source, result, extra in zip(sources, results, extras, strict=True)
     ]
     usage = Usage(
         input_tokens=sum(o.input_tokens for o in outputs),
         output_tokens=sum(o.output_tokens for o in outputs),
     )
     return GenerateResponse(model=entry.name, outputs=outputs, usage=usage)
+
+
+def attention_runtime(runtime: Any) -> attention.AttentionRuntime:
+    """The runtime, if it gives attention weights; else 422."""
+    if not isinstance(runtime, attention.AttentionRuntime):
+        raise InvalidInput(f"model {runtime.name!r} does not give attention weights")
+    return runtime
+
+
+async def within_deadline(
+    work: Awaitable[T], entry: ModelEntry, started: float, settings: Settings
+) -> T:
+    """`await work`, or `DeadlineExceeded` (504) once the request is `request_timeout_s` old."""
+    remaining = settings.request_timeout_s - (time.perf_counter() - started)
+    try:
+        return await asyncio.wait_for(work, remaining)
+    except TimeoutError:
+        metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()
+        raise DeadlineExceeded(
+            f"no result within the deadline of {settings.request_timeout_s:g}s"
+        ) from None
+
+
+def _alignment_labels(
+    runtime: Runtime, text: str, tokens: list[int], ended_with_eos: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The source's tokens (and `</s>`), and the output's (and `</s>` if generated)."""
+    tokenizer = runtime.tokenizer
+    source_ids, source_spans = tokenizer.encode_with_offsets(text)
+    source = attention.labels(tokenizer.pieces(source_ids), source_spans, len(text), True)
+    output, target_spans = tokenizer.decode_with_offsets(tokens)
+    target = attention.labels(tokenizer.pieces(tokens), target_spans, len(output), ended_with_eos)
+    return source, target
 
 
 def _check_texts(texts: list[str], where: list[str], settings: Settings) -> None:

@@ -89,6 +89,23 @@ def test_offsets_map_pieces_into_text(tok: Tokenizer, text: str) -> None:
     assert covered.split() == text.split()
 
 
+@pytest.mark.parametrize("text", [
+    "This package contains the documentation.",
+    "perché più città — naïve façade",
+    "漢 unknown",
+])
+def test_decode_with_offsets_spans_each_piece_in_the_decoded_text(tok: Tokenizer, text: str) -> None:
+    ids = [*tok.encode(text), tok.eos_id]
+    decoded, spans = tok.decode_with_offsets(ids)
+    assert decoded == tok.decode(ids)
+    assert len(spans) == len(ids) and spans[-1] == (len(decoded), len(decoded))  # eos: empty
+    assert "".join(decoded[s:e] for s, e in spans) == decoded
+    for piece, (start, end) in zip(tok.pieces(ids[:-1]), spans, strict=False):
+        if piece != "<unk>":
+            assert decoded[start:end].strip() == piece.replace("\u2581", " ").strip()
+    assert tok.decode_with_offsets([]) == ("", [])
+
+
 def test_tokenizer_module_does_not_import_torch(model_path: Path) -> None:
     code = (
         "import sys; from model.tokenizer import Tokenizer; "

@@ -152,3 +152,39 @@ async def test_close_fails_what_is_left_after_its_timeout() -> None:
     for future in pending:
         with pytest.raises(NotReady):
             await future
+
+
+async def test_run_uses_the_worker_thread_between_batches_and_is_admitted_like_rows() -> None:
+    model = FakeModel(delay_s=0.05)
+    batcher = make(model, "b-run", max_queue_size=2, retry_after_s=2)
+    events: list[str] = []
+
+    def job(tag: str) -> str:
+        events.append(f"{tag} in {threading.current_thread().name}")
+        return tag
+
+    generating = asyncio.ensure_future(batcher.submit([source(3)], 1, 10))
+    await asyncio.sleep(0.01)  # the batch runs in the worker thread
+    assert await batcher.run(job, "maps") == "maps"
+    await generating
+    assert events == ["maps in " + next(iter(model.threads))]  # the one worker thread
+    assert next(iter(model.threads)).startswith("batch-b-run")
+
+    slow = asyncio.ensure_future(batcher.submit([source(3)], 1, 10))
+    await asyncio.sleep(0.01)
+    queued = asyncio.ensure_future(batcher.submit([source(3)], 1, 10))
+    first_job = asyncio.ensure_future(batcher.run(job, "one"))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded) as refused:  # 1 row queued + 1 job = max_queue_size
+        await batcher.run(job, "two")
+    assert refused.value.headers() == {"Retry-After": "2"}
+    await asyncio.gather(slow, queued, first_job)
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    with pytest.raises(InternalError):
+        await batcher.run(boom)
+    await batcher.close(1)
+    with pytest.raises(NotReady):
+        await batcher.run(job, "late")

@@ -1,27 +1,27 @@
-"""The web page `GET /` in headless Chromium: type, translate, read the attention heatmap.
+"""The web page `GET /` in headless Chromium, against the real app: type, translate, read the
+attention heatmap.
 
-The page talks to the server only through the HTTP API, so by default it runs here against a
-small fake app that serves the real `service/static/index.html` and canned, correctly shaped
-answers. To run the same checks against the real app, make `base_url` serve it instead (see
-`serve`). Skips cleanly without Chromium (`.ci/run` installs it) or without `websockets`.
+The app serves the tiny reversal model (onnxruntime, CPU) twice: as a translation model and,
+with its manifest's task changed, as a summarization model, so that both buttons of the page
+work. Its vocabulary is the letters a-o, and it reverses the pieces of its input ("abc de" ->
+"ed cba"). Skips cleanly without Chromium (`.ci/run` installs it) or without `websockets`.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
 import re
 import shutil
 import socket
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
 
@@ -29,134 +29,43 @@ fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("websockets.sync.client")
 
-from fastapi import FastAPI
-from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict
-
+from model.tokenizer import Tokenizer
+from service.app import create_app
+from service.settings import Settings
 from tests.service.browser import Browser, find_chromium
 
-PAGE = Path(__file__).resolve().parents[2] / "service" / "static" / "index.html"
-SOURCE = "The cat sleeps."
+SOURCE = "abc de"  # 7 pieces of the tiny vocabulary: "▁", "a", "b", "c", "▁", "d", "e"
+TOO_LONG = "abcdefghijklmno abc"  # 20 pieces: over the tiny model's 15
 LOOK_AT_ME = Path("/tmp/attnserve-page.png")  # a copy of the screenshot, for people
+TRANSLATE_MODEL, SUMMARIZE_MODEL = "tiny-reverse", "tiny-summarize"
 
-# ---------------------------------------------------------------- the fake server
-
-TRANSLATIONS = {SOURCE: "Il gatto dorme"}
-LAYERS, HEADS = 2, 4
+# ---------------------------------------------------------------- the real app
 
 
-def pieces(text: str) -> list[str]:
-    """A stand-in for SentencePiece: words and punctuation, `▁` where a space was, then `</s>`."""
-    out = [("\u2581" if m.start() == 0 or text[m.start() - 1].isspace() else "") + m.group()
-           for m in re.finditer(r"\w+|[^\w\s]", text)]
-    return [*out, "</s>"]
+def real_models(tiny_model_repository: Path, root: Path) -> Path:
+    """A models folder: the tiny repository as is, and a copy whose manifest says summarize."""
+    shutil.copytree(tiny_model_repository, root / TRANSLATE_MODEL)
+    shutil.copytree(tiny_model_repository, root / SUMMARIZE_MODEL)
+    manifest_path = root / SUMMARIZE_MODEL / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest.update(task="summarize", name=SUMMARIZE_MODEL)  # the manifest is not hashed
+    manifest_path.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    return root
 
 
-def tokens(text: str) -> list[dict[str, Any]]:
-    """The pieces with character offsets, as `/v1/attention` returns them."""
-    result, position = [], 0
-    for piece in pieces(text):
-        bare = piece.lstrip("\u2581")
-        start = text.find(bare, position) if piece != "</s>" else len(text)
-        end = start + len(bare) if piece != "</s>" else len(text)
-        result.append({"piece": piece, "start": start, "end": end})
-        position = end
-    return result
-
-
-def attention_maps(rows: int, cols: int, seed: int, causal: bool) -> list[list[list[list[float]]]]:
-    """[layer][head][query][key], each row a softmax peaked near the diagonal, rounded to 4."""
-    rng = random.Random(seed)
-    layers = []
-    for layer in range(LAYERS):
-        heads = []
-        for head in range(HEADS):
-            shift, sharpness = rng.choice([-1, 0, 0, 1]), 1.0 + 1.5 * head + layer
-            matrix = []
-            for q in range(rows):
-                centre = q * (cols - 1) / max(1, rows - 1) + shift
-                scores = [-sharpness * abs(k - centre) + rng.gauss(0, 0.4) for k in range(cols)]
-                limit = q + 1 if causal else cols
-                exps = [math.exp(s) if k < limit else 0.0 for k, s in enumerate(scores)]
-                total = sum(exps)
-                matrix.append([round(e / total, 4) for e in exps])
-            heads.append(matrix)
-        layers.append(heads)
-    return layers
-
-
-class FakeGenerate(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    text: str
-    model: str | None = None
-    beam_size: int = 1
-    max_new_tokens: int | None = None
-
-
-class FakeAttention(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    source: str
-    target: str | None = None
-    model: str | None = None
-    task: Literal["translate", "summarize"] | None = None
-    kinds: list[Literal["encoder", "decoder", "cross"]] = ["encoder", "decoder", "cross"]
-    layers: list[int] | None = None
-    heads: list[int] | None = None
-    average_heads: bool = False
-    decimals: int | None = None
-
-
-def fake_app() -> FastAPI:
-    """Serves the real page, and canned answers of the right shapes for the routes it uses."""
-    app = FastAPI()
-    models = {"translate": "translate-en-it", "summarize": "summarize-en"}
-
-    @app.get("/")
-    def page() -> FileResponse:
-        return FileResponse(PAGE, media_type="text/html")
-
-    @app.get("/v1/models")
-    def list_models() -> dict[str, Any]:
-        return {"models": [
-            {"name": name, "task": task, "state": "ready", "ready": True,
-             "provider": "CPUExecutionProvider", "variant": "int8", "error": None}
-            for task, name in models.items()]}
-
-    def generate(task: str, body: FakeGenerate) -> Any:
-        if "overload" in body.text:
-            return JSONResponse(
-                {"error": f"the queue of model {models[task]} is full", "error_type": "overloaded"},
-                status_code=429, headers={"Retry-After": "1"})
-        if task == "translate":
-            text = TRANSLATIONS.get(body.text, "Ciao mondo")
-        else:
-            text = " ".join(body.text.split()[:6]).rstrip(".,") + "."
-        return {"model": body.model or models[task], "outputs": [{
-            "text": text, "finish_reason": "eos", "input_tokens": len(pieces(body.text)),
-            "output_tokens": len(pieces(text))}],
-            "usage": {"input_tokens": len(pieces(body.text)), "output_tokens": len(pieces(text))}}
-
-    @app.post("/v1/translate")
-    def translate(body: FakeGenerate) -> Any:
-        return generate("translate", body)
-
-    @app.post("/v1/summarize")
-    def summarize(body: FakeGenerate) -> Any:
-        return generate("summarize", body)
-
-    @app.post("/v1/attention")
-    def attention(body: FakeAttention) -> Any:
-        target = body.target if body.target is not None else TRANSLATIONS.get(body.source, "Ciao")
-        s, t = len(pieces(body.source)), len(pieces(target))
-        shapes = {"encoder": (s, s, False), "decoder": (t, t, True), "cross": (t, s, False)}
-        return {"model": body.model or models[body.task or "translate"],
-                "source_tokens": tokens(body.source), "target_tokens": tokens(target),
-                "target_text": target,
-                "attention": {kind: attention_maps(*shapes[kind][:2], seed=len(kind),
-                                                   causal=shapes[kind][2])
-                              for kind in body.kinds}}
-
-    return app
+def wait_until_ready(base_url: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while True:
+        try:
+            with opener.open(base_url + "/health/ready", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except urllib.error.HTTPError:
+            pass  # 503 while loading
+        if time.monotonic() > deadline:
+            raise RuntimeError("the app did not turn ready")
+        time.sleep(0.05)
 
 
 @contextmanager
@@ -183,10 +92,19 @@ def serve(app: Any) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def base_url() -> Iterator[str]:
-    """Where the page is served. Swap `fake_app()` for the real app to test against it."""
-    with serve(fake_app()) as url:
+def base_url(tiny_model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Where the real app serves the page and the API (CPU, one thread, fp32)."""
+    models_dir = real_models(tiny_model_repository, tmp_path_factory.mktemp("page-models"))
+    settings = Settings(models_dir=models_dir, providers=("CPUExecutionProvider",), threads=1,
+                        variant="fp32")
+    with serve(create_app(settings)) as url:
+        wait_until_ready(url)
         yield url
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_repository: Path) -> Tokenizer:
+    return Tokenizer.from_file(tiny_model_repository / "tokenizer.model")
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +166,9 @@ def assert_grid(browser: Browser, rows: int, cols: int) -> None:
 
 # ---------------------------------------------------------------- tests
 
-def test_translate_then_explore_the_heatmap(browser: Browser, base_url: str, tmp_path: Path) -> None:
+def test_translate_then_explore_the_heatmap(
+    browser: Browser, base_url: str, tokenizer: Tokenizer, tmp_path: Path
+) -> None:
     browser.set_color_scheme("light")
     browser.goto(base_url + "/")
     browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
@@ -266,7 +186,12 @@ def test_translate_then_explore_the_heatmap(browser: Browser, base_url: str, tmp
     assert json.loads(sent[-1]["postData"])["source"] == SOURCE
     expected = post(base_url, "/v1/attention", json.loads(sent[-1]["postData"]))
     n_source, n_target = len(expected["source_tokens"]), len(expected["target_tokens"])
-    assert (n_target, n_source) == (4, 5)  # the fake's tokens; drop this line for the real app
+    assert expected["model"] == TRANSLATE_MODEL
+    assert [t["piece"] for t in expected["source_tokens"]] == [
+        *tokenizer.pieces(tokenizer.encode(SOURCE)), "</s>"]
+    assert [t["piece"] for t in expected["target_tokens"]] == [
+        *tokenizer.pieces(tokenizer.encode(translation)), "</s>"]
+    assert n_source == 8 and translation.strip() == "ed cba"  # the tiny model reverses
 
     # Cross attention (the default kind) first: target rows × source columns.
     assert browser.evaluate("heatmap.dataset.kind") == "cross"
@@ -340,21 +265,26 @@ def test_translate_then_explore_the_heatmap(browser: Browser, base_url: str, tmp
 
 def test_query_parameters_run_a_summary(browser: Browser, base_url: str) -> None:
     browser.set_color_scheme("light")
-    text = "Free software gives users the freedom to run, study and share programs."
+    text = "ab cd ef"
     browser.goto(f"{base_url}/?task=summarize&autorun=1&text={urllib.parse.quote(text)}")
     browser.wait_for("document.body.dataset.phase === 'done'")
     summary = post(base_url, "/v1/summarize", {"text": text})["outputs"][0]["text"]
     assert browser.evaluate("document.getElementById('output').textContent") == summary
-    expected = post(base_url, "/v1/attention", {"source": text, "target": summary, "kinds": ["cross"]})
+    expected = post(base_url, "/v1/attention",
+                    {"source": text, "target": summary, "task": "summarize", "kinds": ["cross"]})
+    assert expected["model"] == SUMMARIZE_MODEL
+    sent = [json.loads(r["postData"]) for r in browser.requests()
+            if r["url"].endswith("/v1/attention")]
+    assert sent[-1]["model"] == SUMMARIZE_MODEL
     assert_grid(browser, len(expected["target_tokens"]), len(expected["source_tokens"]))
     assert browser.page_errors() == []
 
 
 def test_server_errors_are_shown(browser: Browser, base_url: str) -> None:
-    """The `{"error", "error_type"}` body (here a 429 from the fake) reaches the user."""
-    browser.goto(f"{base_url}/?task=translate&autorun=1&text=overload")
+    """The `{"error", "error_type"}` body (here a 422: too many tokens) reaches the user."""
+    browser.goto(f"{base_url}/?task=translate&autorun=1&text={urllib.parse.quote(TOO_LONG)}")
     browser.wait_for("document.body.dataset.phase === 'error'")
     alert = browser.evaluate("document.getElementById('error').innerText")
-    assert "overloaded" in alert and "429" in alert and "is full" in alert
+    assert "invalid_input" in alert and "422" in alert and "at most 15 allowed" in alert
     assert browser.evaluate("getComputedStyle(document.getElementById('error')).display") != "none"
     assert browser.evaluate("document.getElementById('heatmap').hidden")
