@@ -13,11 +13,11 @@ torch = pytest.importorskip("torch")
 # oversubscribed threads make them orders of magnitude slower.
 torch.set_num_threads(1)
 
-from model.batching import ParallelExamples  # noqa: E402
-from model.checkpoint import load_model  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.training import TrainConfig, TrainResult, train  # noqa: E402
-from model.transformer import Transformer  # noqa: E402
+from model.batching import ParallelExamples
+from model.checkpoint import load_model
+from model.config import ModelConfig
+from model.training import TrainConfig, TrainResult, train
+from model.transformer import Transformer
 
 TINY_CONFIG = ModelConfig(
     vocab_size=20, d_model=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2, d_ff=128,
@@ -107,3 +107,24 @@ def tiny_model_repository(trained_tiny: TrainedTiny, tiny_tokenizer: Path,
                      target_language="en", variants=("fp32", "int8"), data_dir=data_dir,
                      quality_rows=len(texts), threads=1)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_repository_model(tiny_model_repository: Path) -> Transformer:
+    """The repository's own PyTorch weights (bf16-rounded: exactly what its graphs hold)."""
+    return load_model(tiny_model_repository)
+
+
+@pytest.fixture(scope="session")
+def tiny_repository_tokenizer(tiny_model_repository: Path):  # -> model.tokenizer.Tokenizer
+    from model.tokenizer import Tokenizer
+
+    return Tokenizer.from_file(tiny_model_repository / "tokenizer.model")
+
+
+@pytest.fixture(scope="session")
+def tiny_runtime(tiny_model_repository: Path):  # -> service.runtime.ModelRuntime
+    """The tiny repository on onnxruntime: CPU, one thread, the fp32 variant (equal to PyTorch)."""
+    from service.runtime import CPU, ModelRuntime
+
+    return ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32")

@@ -33,15 +33,10 @@ BATCHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def runtime(tiny_model_repository: Path) -> ModelRuntime:
-    return ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_repository: Path) -> Transformer:
-    """The repository's own PyTorch weights (bf16-rounded, exactly what the graphs hold)."""
-    return load_model(tiny_model_repository)
+
+
 
 
 def test_repository_layout_and_manifest(tiny_model_repository: Path) -> None:
@@ -78,31 +73,31 @@ def test_graph_io_names_and_named_dynamic_axes(tiny_model_repository: Path, grap
 
 
 @pytest.mark.parametrize("case", BATCHES)
-def test_parity_with_and_without_cache(model: Transformer, runtime: ModelRuntime, case: str) -> None:
+def test_parity_with_and_without_cache(tiny_repository_model: Transformer, tiny_runtime: ModelRuntime, case: str) -> None:
     """Encoder outputs, teacher-forced logits/attention (past 0), step-by-step with the cache,
     and greedy tokens all match PyTorch."""
-    report = check_parity(model, runtime, BATCHES[case], max_new_tokens=12)
+    report = check_parity(tiny_repository_model, tiny_runtime, BATCHES[case], max_new_tokens=12)
     assert report.greedy_rows == len(BATCHES[case]) + (1 if len(BATCHES[case]) > 1 else 0)
     assert report.max_abs_diff["logits"] <= LOGITS_ATOL
     assert max(report.max_abs_diff[k] for k in ("encoder_attention", "self_attention", "cross_attention")) <= ATTENTION_ATOL
     assert max(report.max_abs_diff[k] for k in ("cross_key_value", "present_key_value")) <= KEY_VALUE_ATOL
 
 
-def test_a_different_model_fails_parity_with_a_typed_error(runtime: ModelRuntime, random_tiny: Transformer) -> None:
+def test_a_different_model_fails_parity_with_a_typed_error(tiny_runtime: ModelRuntime, random_tiny: Transformer) -> None:
     with pytest.raises(OutputMismatch, match=r"encoder_attention\.0 \(batch 1\) differs from PyTorch by") as caught:
-        check_parity(random_tiny, runtime, BATCHES["batch 5, mixed lengths"])
+        check_parity(random_tiny, tiny_runtime, BATCHES["batch 5, mixed lengths"])
     assert isinstance(caught.value, ParityError) and caught.value.max_abs_diff > ATTENTION_ATOL
 
 
-def test_attention_output_shapes(runtime: ModelRuntime) -> None:
+def test_attention_output_shapes(tiny_runtime: ModelRuntime) -> None:
     sources = BATCHES["batch 5, mixed lengths"][:3]  # lengths 4, 2, 9
-    state = runtime.encode(runtime.pad(sources), need_attention=True)
+    state = tiny_runtime.encode(tiny_runtime.pad(sources), need_attention=True)
     batch, heads, source_len = 3, 4, 9
     assert state.attentions is not None and len(state.attentions) == 2
     assert all(a.shape == (batch, heads, source_len, source_len) for a in state.attentions)
     assert all(k.shape == (batch, heads, source_len, 16) for k in state.cross_keys + state.cross_values)
-    first = runtime.decode(np.array([[2, 5]] * batch), state, need_attention=True)  # past 0, new 2
-    step = runtime.decode(np.array([[7, 8, 9]] * batch), state, first.cache, need_attention=True)  # past 2, new 3
+    first = tiny_runtime.decode(np.array([[2, 5]] * batch), state, need_attention=True)  # past 0, new 2
+    step = tiny_runtime.decode(np.array([[7, 8, 9]] * batch), state, first.cache, need_attention=True)  # past 2, new 3
     assert step.logits.shape == (batch, 3, 20)
     assert step.self_attentions is not None and step.cross_attentions is not None
     assert all(a.shape == (batch, heads, 3, 5) for a in step.self_attentions)
@@ -112,45 +107,45 @@ def test_attention_output_shapes(runtime: ModelRuntime) -> None:
     np.testing.assert_allclose(step.cross_attentions[1][1, :, :, 2:].sum(), 0.0)  # row 1's source is 2 long
 
 
-def test_smallest_sizes_match_pytorch(runtime: ModelRuntime, model: Transformer) -> None:
+def test_smallest_sizes_match_pytorch(tiny_runtime: ModelRuntime, tiny_repository_model: Transformer) -> None:
     """Batch 1, a source of just EOS, past 0 then past 1: the sizes torch.export specialises."""
     import torch
 
     with torch.no_grad():
-        start = model.start_decoding(model.encode(torch.tensor([[3]])))
-        first = model.decode(torch.tensor([[2]]), start)
-        second = model.decode(torch.tensor([[9]]), first.cache)
-    state = runtime.encode(np.array([[3]]))
-    step = runtime.decode(np.array([[2]]), state)
+        start = tiny_repository_model.start_decoding(tiny_repository_model.encode(torch.tensor([[3]])))
+        first = tiny_repository_model.decode(torch.tensor([[2]]), start)
+        second = tiny_repository_model.decode(torch.tensor([[9]]), first.cache)
+    state = tiny_runtime.encode(np.array([[3]]))
+    step = tiny_runtime.decode(np.array([[2]]), state)
     np.testing.assert_allclose(step.logits, first.logits.numpy(), atol=LOGITS_ATOL)
-    step = runtime.decode(np.array([[9]]), state, step.cache)
+    step = tiny_runtime.decode(np.array([[9]]), state, step.cache)
     np.testing.assert_allclose(step.logits, second.logits.numpy(), atol=LOGITS_ATOL)
 
 
-def test_left_padded_past_equals_the_row_alone(runtime: ModelRuntime) -> None:
+def test_left_padded_past_equals_the_row_alone(tiny_runtime: ModelRuntime) -> None:
     """Rows with different past lengths share one call by left-padding (continuous batching)."""
     sources = [[5, 9, 12, 3], [7, 11, 3]]
-    state = runtime.encode(runtime.pad(sources))
+    state = tiny_runtime.encode(tiny_runtime.pad(sources))
     prefixes = [[2, 12, 9, 5], [2, 11]]
     ids = np.array([prefixes[0], [0, 0, *prefixes[1]]])
     mask = ids != 0  # row 1 is left-padded by 2
     positions = np.array([[0, 1, 2, 3], [0, 0, 0, 1]])
-    past = runtime.decode(ids, state, positions=positions, target_mask=mask)
-    step = runtime.decode(np.array([[7], [4]]), state, past.cache, positions=np.array([[4], [2]]),
+    past = tiny_runtime.decode(ids, state, positions=positions, target_mask=mask)
+    step = tiny_runtime.decode(np.array([[7], [4]]), state, past.cache, positions=np.array([[4], [2]]),
                           target_mask=np.concatenate([mask, [[True], [True]]], axis=1))
     for row in range(2):
-        alone_state = runtime.encode(runtime.pad([sources[row]]))
-        alone = runtime.decode(np.array([[*prefixes[row], [7, 4][row]]]), alone_state)
+        alone_state = tiny_runtime.encode(tiny_runtime.pad([sources[row]]))
+        alone = tiny_runtime.decode(np.array([[*prefixes[row], [7, 4][row]]]), alone_state)
         np.testing.assert_allclose(step.logits[row, 0], alone.logits[0, -1], atol=LOGITS_ATOL)
 
 
-def test_int8_variant_loads_and_runs(tiny_model_repository: Path, runtime: ModelRuntime, trained_tiny) -> None:
+def test_int8_variant_loads_and_runs(tiny_model_repository: Path, tiny_runtime: ModelRuntime, trained_tiny) -> None:
     from service.generation import generate
 
     int8 = ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="int8")
     assert (int8.variant, int8.provider) == ("int8", CPU)
     sources = [s + [3] for s in trained_tiny.valid.sources[:12]]
-    quantized, full = generate(int8, sources, 1, 12), generate(runtime, sources, 1, 12)
+    quantized, full = generate(int8, sources, 1, 12), generate(tiny_runtime, sources, 1, 12)
     assert sum(q.tokens == f.tokens for q, f in zip(quantized, full)) >= 10  # int8 mostly agrees with fp32
 
 
@@ -230,15 +225,16 @@ def test_fp16_on_cuda(trained_tiny, tiny_tokenizer: Path, tmp_path: Path) -> Non
     """fp16 variant on the CUDA execution provider: loads, and greedy tokens equal PyTorch's."""
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDA execution provider here")
+    from tiny_repository_model.decoding import greedy_decode, pad_batch
+
     from export.repository import write_repository
-    from model.decoding import greedy_decode, pad_batch
     from service.generation import generate
 
     out = tmp_path / "fp16"
     write_repository(trained_tiny.load(), tiny_tokenizer, out, task="translate", source_language="en",
                      target_language="en", variants=("fp32", "fp16"))
-    runtime = ModelRuntime.load(out, ["CUDAExecutionProvider", CPU], variant="fp16")
-    assert (runtime.provider, runtime.variant) == ("CUDAExecutionProvider", "fp16")
+    tiny_runtime = ModelRuntime.load(out, ["CUDAExecutionProvider", CPU], variant="fp16")
+    assert (tiny_runtime.provider, tiny_runtime.variant) == ("CUDAExecutionProvider", "fp16")
     sources = BATCHES["batch 5, mixed lengths"]
     expected = greedy_decode(load_model(out), pad_batch(sources, 0), 12)
-    assert [g.tokens for g in generate(runtime, sources, 1, 12)] == [g.tokens for g in expected]
+    assert [g.tokens for g in generate(tiny_runtime, sources, 1, 12)] == [g.tokens for g in expected]

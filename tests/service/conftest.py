@@ -72,3 +72,20 @@ async def wait_until_ready(client: httpx.AsyncClient, timeout_s: float = 30) -> 
         assert loop.time() < deadline, "the app did not turn ready"
         await asyncio.sleep(0.01)
 
+
+
+def tiny_settings(models_dir: Path, **overrides: Any) -> Settings:
+    """Settings to serve the tiny repository: CPU, one thread, the fp32 variant (equal to PyTorch)."""
+    options: dict[str, Any] = {"models_dir": models_dir, "providers": ("CPUExecutionProvider",),
+                               "threads": 1, "variant": "fp32", **overrides}
+    return Settings(**options)
+
+
+@pytest.fixture(scope="module")
+def served_tiny_models(tiny_model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models folder holding a copy of the tiny repository (as `models/<name>/`)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("served-models")
+    shutil.copytree(tiny_model_repository, root / tiny_model_repository.name)
+    return root

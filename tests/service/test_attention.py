@@ -8,7 +8,6 @@ them) returns for the same ids, within 1e-4 per weight (fp32 onnxruntime, 8 deci
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from model.checkpoint import load_model
 from model.decoding import beam_search, pad_batch
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.app import create_app
 from service.settings import Settings
-from tests.service.conftest import serving
+from tests.service.conftest import serving, tiny_settings
 from tests.service.fakes import FakeLoader, FakeModel, write_models
 
 pytestmark = pytest.mark.anyio
@@ -34,35 +32,22 @@ LAYERS, HEADS = 2, 4
 TOLERANCE = 1e-4  # onnxruntime fp32 against PyTorch, per weight
 
 
-def settings_for(models_dir: Path, **overrides: Any) -> Settings:
-    """CPU, one thread, the fp32 variant (the one equal to PyTorch)."""
-    options: dict[str, Any] = {"models_dir": models_dir, "providers": ("CPUExecutionProvider",),
-                               "threads": 1, "variant": "fp32", **overrides}
-    return Settings(**options)
 
 
-@pytest.fixture(scope="module")
-def models_dir(tiny_model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("attention-models")
-    shutil.copytree(tiny_model_repository, root / tiny_model_repository.name)
-    return root
 
 
-@pytest.fixture(scope="module")
-def torch_model(tiny_model_repository: Path) -> Transformer:
-    """The PyTorch model of the repository's checkpoint: the weights the graphs were made of."""
-    return load_model(tiny_model_repository).eval()
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_repository: Path) -> Tokenizer:
-    return Tokenizer.from_file(tiny_model_repository / "tokenizer.model")
 
 
-async def post_all(models_dir: Path, requests: list[tuple[str, dict[str, Any]]],
+
+
+
+
+async def post_all(served_tiny_models: Path, requests: list[tuple[str, dict[str, Any]]],
                    **settings: Any) -> list[Any]:
     """POST each (path, body) to one app over the tiny model; the responses, in order."""
-    async with serving(create_app(settings_for(models_dir, **settings))) as client:
+    async with serving(create_app(tiny_settings(served_tiny_models, **settings))) as client:
         return [await client.post(path, json=body) for path, body in requests]
 
 
@@ -75,10 +60,10 @@ def spelled(text: str, tokens: list[dict[str, Any]]) -> str:
     return "".join(text[t["start"]:t["end"]] for t in tokens)
 
 
-def reference_tokens(model: Transformer, tokenizer: Tokenizer, text: str, beam_size: int,
+def reference_tokens(model: Transformer, tiny_repository_tokenizer: Tokenizer, text: str, beam_size: int,
                      max_new_tokens: int = 16) -> tuple[list[int], str]:
     """The PyTorch model's output ids of `text` (greedy for beam 1) and its finish reason."""
-    source = pad_batch([[*tokenizer.encode(text), tokenizer.eos_id]], tokenizer.pad_id)
+    source = pad_batch([[*tiny_repository_tokenizer.encode(text), tiny_repository_tokenizer.eos_id]], tiny_repository_tokenizer.pad_id)
     [result] = beam_search(model, source, beam_size, max_new_tokens)
     return result.tokens, result.finish_reason
 
@@ -95,17 +80,17 @@ def torch_maps(model: Transformer, source_ids: list[int], decoder_ids: list[int]
 
 
 async def test_maps_have_the_token_counts_rows_sum_to_one_and_decoder_is_causal(
-    models_dir: Path, tokenizer: Tokenizer
+    served_tiny_models: Path, tiny_repository_tokenizer: Tokenizer
 ) -> None:
     body = {"source": SOURCE, "target": TARGET, "kinds": ALL_KINDS, "decimals": 8}
-    [response] = await post_all(models_dir, [("/v1/attention", body)])
+    [response] = await post_all(served_tiny_models, [("/v1/attention", body)])
     assert response.status_code == 200, response.text
     data = response.json()
-    assert data["model"] == models_dir.joinpath("tiny-reverse").name
+    assert data["model"] == served_tiny_models.joinpath("tiny-reverse").name
     source, target = data["source_tokens"], data["target_tokens"]
     # Source: the source's pieces then </s>; target: the target's pieces then </s>.
-    assert pieces(source) == [*tokenizer.pieces(tokenizer.encode(SOURCE)), "</s>"]
-    assert pieces(target) == [*tokenizer.pieces(tokenizer.encode(TARGET)), "</s>"]
+    assert pieces(source) == [*tiny_repository_tokenizer.pieces(tiny_repository_tokenizer.encode(SOURCE)), "</s>"]
+    assert pieces(target) == [*tiny_repository_tokenizer.pieces(tiny_repository_tokenizer.encode(TARGET)), "</s>"]
     assert spelled(SOURCE, source) == SOURCE and spelled(TARGET, target) == TARGET
     assert source[-1] == {"piece": "</s>", "start": len(SOURCE), "end": len(SOURCE)}
     assert (data["target_text"], data["generated"]) == (TARGET, False)
@@ -126,25 +111,25 @@ async def test_maps_have_the_token_counts_rows_sum_to_one_and_decoder_is_causal(
 
 @pytest.mark.parametrize("given_target", [True, False], ids=["teacher-forced", "generated"])
 async def test_maps_equal_pytorch(
-    models_dir: Path, tokenizer: Tokenizer, torch_model: Transformer, given_target: bool
+    served_tiny_models: Path, tiny_repository_tokenizer: Tokenizer, tiny_repository_model: Transformer, given_target: bool
 ) -> None:
     body: dict[str, Any] = {"source": SOURCE, "kinds": ALL_KINDS, "decimals": 8}
     if given_target:
         body["target"] = TARGET
-    [response] = await post_all(models_dir, [("/v1/attention", body)])
+    [response] = await post_all(served_tiny_models, [("/v1/attention", body)])
     assert response.status_code == 200, response.text
     data = response.json()
     assert data["generated"] is not given_target
     assert data["target_text"].strip() == TARGET  # the model reverses: generated or given
     if given_target:
-        target_ids = tokenizer.encode(TARGET)
+        target_ids = tiny_repository_tokenizer.encode(TARGET)
     else:  # the greedy output, as generated (decoding and encoding again may differ)
-        target_ids, _ = reference_tokens(torch_model, tokenizer, SOURCE, 1)
-        assert data["target_text"] == tokenizer.decode(target_ids)
-    assert pieces(data["target_tokens"]) == [*tokenizer.pieces(target_ids), "</s>"]
-    source_ids = [*tokenizer.encode(SOURCE), tokenizer.eos_id]
-    decoder_ids = [tokenizer.bos_id, *target_ids]
-    expected = torch_maps(torch_model, source_ids, decoder_ids)
+        target_ids, _ = reference_tokens(tiny_repository_model, tiny_repository_tokenizer, SOURCE, 1)
+        assert data["target_text"] == tiny_repository_tokenizer.decode(target_ids)
+    assert pieces(data["target_tokens"]) == [*tiny_repository_tokenizer.pieces(target_ids), "</s>"]
+    source_ids = [*tiny_repository_tokenizer.encode(SOURCE), tiny_repository_tokenizer.eos_id]
+    decoder_ids = [tiny_repository_tokenizer.bos_id, *target_ids]
+    expected = torch_maps(tiny_repository_model, source_ids, decoder_ids)
     for kind in ALL_KINDS:
         actual = np.asarray(data["attention"][kind])
         assert len(expected[kind]) == LAYERS
@@ -154,9 +139,9 @@ async def test_maps_equal_pytorch(
                                            atol=TOLERANCE, err_msg=f"{kind} {layer} {head}")
 
 
-async def test_filters_return_exactly_what_was_asked(models_dir: Path) -> None:
+async def test_filters_return_exactly_what_was_asked(served_tiny_models: Path) -> None:
     base = {"source": SOURCE, "target": TARGET, "decimals": 8}
-    full, picked, averaged, one_kind, default, coarse = await post_all(models_dir, [
+    full, picked, averaged, one_kind, default, coarse = await post_all(served_tiny_models, [
         ("/v1/attention", {**base, "kinds": ALL_KINDS}),
         ("/v1/attention", {**base, "kinds": ["cross", "encoder"], "layers": [1], "heads": [2, 0]}),
         ("/v1/attention", {**base, "kinds": ["decoder"], "heads": [3, 1], "average_heads": True}),
@@ -191,7 +176,7 @@ async def test_filters_return_exactly_what_was_asked(models_dir: Path) -> None:
     assert all(round(w, 2) == w for w in np.asarray(coarse.json()["attention"]["cross"]).flat)
 
 
-async def test_limits_and_bad_requests(models_dir: Path) -> None:
+async def test_limits_and_bad_requests(served_tiny_models: Path) -> None:
     base = {"source": SOURCE, "target": TARGET}
     cases: list[tuple[dict[str, Any], int, str]] = [
         ({"source": "abc de f", "target": TARGET}, 422, "source: 9 tokens; at most 7"),
@@ -213,7 +198,7 @@ async def test_limits_and_bad_requests(models_dir: Path) -> None:
         ({**base, "model": "tiny-reverse", "task": "summarize"}, 404, "does not serve"),
     ]
     responses = await post_all(
-        models_dir, [("/v1/attention", body) for body, _, _ in cases],
+        served_tiny_models, [("/v1/attention", body) for body, _, _ in cases],
         attention_max_source_tokens=7, attention_max_target_tokens=8, attention_max_cells=600,
     )
     for (body, status, message), response in zip(cases, responses, strict=True):
@@ -223,10 +208,10 @@ async def test_limits_and_bad_requests(models_dir: Path) -> None:
         assert error["error_type"] == ("invalid_input" if status == 422 else "model_not_found")
 
 
-async def test_cell_limit_counts_what_is_asked(models_dir: Path) -> None:
+async def test_cell_limit_counts_what_is_asked(served_tiny_models: Path) -> None:
     """8 source and 8 target tokens (with </s>): cross 2 x 4 x 8 x 8 = 512 weights."""
     base = {"source": SOURCE, "target": TARGET}
-    fits, too_many, averaged = await post_all(models_dir, [
+    fits, too_many, averaged = await post_all(served_tiny_models, [
         ("/v1/attention", {**base, "kinds": ["cross"]}),
         ("/v1/attention", {**base, "kinds": ["cross", "decoder"]}),
         ("/v1/attention", {**base, "kinds": ALL_KINDS, "average_heads": True}),
@@ -238,12 +223,12 @@ async def test_cell_limit_counts_what_is_asked(models_dir: Path) -> None:
 
 @pytest.mark.parametrize("beam_size", [1, 3])
 async def test_return_attention_of_translations(
-    models_dir: Path, tokenizer: Tokenizer, torch_model: Transformer, beam_size: int
+    served_tiny_models: Path, tiny_repository_tokenizer: Tokenizer, tiny_repository_model: Transformer, beam_size: int
 ) -> None:
     """Cross-attention of the last layer, mean of the heads, replaying the output: as PyTorch's."""
     texts = [SOURCE, "fgh", "ij klm"]
     body = {"texts": texts, "beam_size": beam_size, "return_attention": True}
-    with_maps, plain, cut = await post_all(models_dir, [
+    with_maps, plain, cut = await post_all(served_tiny_models, [
         ("/v1/translate", body),
         ("/v1/translate", {"texts": texts, "beam_size": beam_size}),
         ("/v1/translate", {**body, "max_new_tokens": 2}),
@@ -256,17 +241,17 @@ async def test_return_attention_of_translations(
     for text, output in zip(texts, outputs, strict=True):
         assert output["finish_reason"] == "eos"
         source, target = output["source_tokens"], output["target_tokens"]
-        assert pieces(source) == [*tokenizer.pieces(tokenizer.encode(text)), "</s>"]
+        assert pieces(source) == [*tiny_repository_tokenizer.pieces(tiny_repository_tokenizer.encode(text)), "</s>"]
         assert len(source) == output["input_tokens"]
         assert len(target) == output["output_tokens"] + 1 and target[-1]["piece"] == "</s>"
         assert spelled(output["text"], target) == output["text"]
         maps = np.asarray(output["attention"])
         assert maps.shape == (len(target), len(source))
         np.testing.assert_allclose(maps.sum(axis=-1), 1.0, atol=len(source) * 5e-5)
-        tokens, _ = reference_tokens(torch_model, tokenizer, text, beam_size)
-        assert pieces(target) == [*tokenizer.pieces(tokens), "</s>"]
-        source_ids = [*tokenizer.encode(text), tokenizer.eos_id]
-        expected = torch_maps(torch_model, source_ids, [tokenizer.bos_id, *tokens])
+        tokens, _ = reference_tokens(tiny_repository_model, tiny_repository_tokenizer, text, beam_size)
+        assert pieces(target) == [*tiny_repository_tokenizer.pieces(tokens), "</s>"]
+        source_ids = [*tiny_repository_tokenizer.encode(text), tiny_repository_tokenizer.eos_id]
+        expected = torch_maps(tiny_repository_model, source_ids, [tiny_repository_tokenizer.bos_id, *tokens])
         np.testing.assert_allclose(maps, expected["cross"][-1].mean(axis=0),
                                    atol=TOLERANCE + 5e-5)  # 4 decimals
 
@@ -274,13 +259,13 @@ async def test_return_attention_of_translations(
     assert cut.status_code == 200, cut.text
     for text, output in zip(texts, cut.json()["outputs"], strict=True):
         assert output["finish_reason"] == "length" and output["output_tokens"] == 2
-        tokens, _ = reference_tokens(torch_model, tokenizer, text, beam_size, max_new_tokens=2)
-        assert pieces(output["target_tokens"]) == tokenizer.pieces(tokens)
+        tokens, _ = reference_tokens(tiny_repository_model, tiny_repository_tokenizer, text, beam_size, max_new_tokens=2)
+        assert pieces(output["target_tokens"]) == tiny_repository_tokenizer.pieces(tokens)
         assert np.asarray(output["attention"]).shape == (2, len(output["source_tokens"]))
 
 
-async def test_the_page_is_served(models_dir: Path) -> None:
-    async with serving(create_app(settings_for(models_dir))) as client:
+async def test_the_page_is_served(served_tiny_models: Path) -> None:
+    async with serving(create_app(tiny_settings(served_tiny_models))) as client:
         response = await client.get("/")
         schema = (await client.get("/openapi.json")).json()
     assert response.status_code == 200

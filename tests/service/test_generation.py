@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.checkpoint import load_model
 from model.decoding import beam_search, greedy_decode, pad_batch
 from model.transformer import Transformer
 from service.generation import (
@@ -19,17 +18,7 @@ from service.generation import (
     teacher_forced_attention,
     top_k,
 )
-from service.runtime import CPU, ModelRuntime
-
-
-@pytest.fixture(scope="module")
-def runtime(tiny_model_repository: Path) -> ModelRuntime:
-    return ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32")
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_repository: Path) -> Transformer:
-    return load_model(tiny_model_repository)
+from service.runtime import ModelRuntime
 
 
 @pytest.fixture(scope="module")
@@ -45,56 +34,56 @@ def _same(actual: list[GenerationResult], expected) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 14])
-def test_greedy_equals_pytorch(runtime: ModelRuntime, model: Transformer, sources, rows: int) -> None:
+def test_greedy_equals_pytorch(tiny_runtime: ModelRuntime, tiny_repository_model: Transformer, sources, rows: int) -> None:
     batch = sources[-rows:]
-    _same(generate(runtime, batch, 1, 12), greedy_decode(model, pad_batch(batch, 0), 12))
+    _same(generate(tiny_runtime, batch, 1, 12), greedy_decode(tiny_repository_model, pad_batch(batch, 0), 12))
 
 
 @pytest.mark.parametrize(("beam_size", "length_penalty"), [(3, 1.0), (3, 0.6), (2, 1.0)])
-def test_beam_search_equals_pytorch(runtime: ModelRuntime, model: Transformer, sources, beam_size: int,
+def test_beam_search_equals_pytorch(tiny_runtime: ModelRuntime, tiny_repository_model: Transformer, sources, beam_size: int,
                                     length_penalty: float) -> None:
-    expected = beam_search(model, pad_batch(sources, 0), beam_size, 12, length_penalty)
-    _same(generate(runtime, sources, beam_size, 12, length_penalty), expected)
+    expected = beam_search(tiny_repository_model, pad_batch(sources, 0), beam_size, 12, length_penalty)
+    _same(generate(tiny_runtime, sources, beam_size, 12, length_penalty), expected)
 
 
-def test_token_limit_counts_eos_and_finishes_with_length(runtime: ModelRuntime, model: Transformer, sources) -> None:
+def test_token_limit_counts_eos_and_finishes_with_length(tiny_runtime: ModelRuntime, tiny_repository_model: Transformer, sources) -> None:
     for beam_size in (1, 3):
-        actual = generate(runtime, sources[:4], beam_size, 2)
-        _same(actual, beam_search(model, pad_batch(sources[:4], 0), beam_size, 2))
+        actual = generate(tiny_runtime, sources[:4], beam_size, 2)
+        _same(actual, beam_search(tiny_repository_model, pad_batch(sources[:4], 0), beam_size, 2))
         assert all(len(g.tokens) <= 2 for g in actual)
-    assert {g.finish_reason for g in generate(runtime, sources[:4], 1, 2)} == {"length"}
+    assert {g.finish_reason for g in generate(tiny_runtime, sources[:4], 1, 2)} == {"length"}
 
 
-def test_the_tiny_model_reverses_text(runtime: ModelRuntime) -> None:
+def test_the_tiny_model_reverses_text(tiny_runtime: ModelRuntime) -> None:
     """What the service tests can count on: pieces come back reversed."""
-    tokenizer = runtime.tokenizer
-    sources = [tokenizer.encode(text) + [runtime.eos_id] for text in ("abc de", "kol")]
-    outputs = generate(runtime, sources, 3, runtime.max_target_len)
+    tokenizer = tiny_runtime.tokenizer
+    sources = [tokenizer.encode(text) + [tiny_runtime.eos_id] for text in ("abc de", "kol")]
+    outputs = generate(tiny_runtime, sources, 3, tiny_runtime.max_target_len)
     assert [tokenizer.decode(o.tokens).strip() for o in outputs] == ["ed cba", "lok"]
     assert all(o.finish_reason == "eos" for o in outputs)
 
 
-def test_teacher_forced_attention(runtime: ModelRuntime, model: Transformer) -> None:
+def test_teacher_forced_attention(tiny_runtime: ModelRuntime, tiny_repository_model: Transformer) -> None:
     import torch
 
     source, target = [5, 9, 12, 7, 3], [7, 12, 9, 5]
-    maps = teacher_forced_attention(runtime, source, target)
+    maps = teacher_forced_attention(tiny_runtime, source, target)
     assert maps.decoder_ids == [2, *target]
     assert [a.shape for a in maps.encoder] == [(4, 5, 5)] * 2
     assert [a.shape for a in maps.decoder] == [(4, 5, 5)] * 2
     assert [a.shape for a in maps.cross] == [(4, 5, 5)] * 2
     assert np.allclose(np.triu(maps.decoder[0], k=1), 0.0)  # causal
     with torch.no_grad():
-        encoded = model.encode(torch.tensor([source]))
-        out = model.decode(torch.tensor([maps.decoder_ids]), model.start_decoding(encoded))
+        encoded = tiny_repository_model.encode(torch.tensor([source]))
+        out = tiny_repository_model.decode(torch.tensor([maps.decoder_ids]), tiny_repository_model.start_decoding(encoded))
     for actual, expected in zip(maps.cross, out.cross_attentions, strict=True):
         np.testing.assert_allclose(actual, expected[0].numpy(), atol=1e-4)
 
 
-def test_warmup_and_select(runtime: ModelRuntime) -> None:
-    runtime.warmup()
-    state = runtime.encode(runtime.pad([[5, 3], [6, 7, 3]]))
-    picked = runtime.select(state, [1, 1, 0])
+def test_warmup_and_select(tiny_runtime: ModelRuntime) -> None:
+    tiny_runtime.warmup()
+    state = tiny_runtime.encode(tiny_runtime.pad([[5, 3], [6, 7, 3]]))
+    picked = tiny_runtime.select(state, [1, 1, 0])
     assert picked.source_mask.tolist() == [[True, True, True]] * 2 + [[True, True, False]]
     assert np.array_equal(picked.cross_keys[0][2], state.cross_keys[0][0])
 
@@ -106,12 +95,12 @@ def test_top_k_and_log_softmax() -> None:
     assert np.exp(log_softmax(scores)).sum() == pytest.approx(1.0, abs=1e-6)
 
 
-def test_bad_arguments(runtime: ModelRuntime) -> None:
-    assert generate(runtime, [], 1, 4) == []
+def test_bad_arguments(tiny_runtime: ModelRuntime) -> None:
+    assert generate(tiny_runtime, [], 1, 4) == []
     with pytest.raises(ValueError, match="EOS"):
-        generate(runtime, [[]], 1, 4)
+        generate(tiny_runtime, [[]], 1, 4)
     with pytest.raises(ValueError, match=">= 1"):
-        generate(runtime, [[5, 3]], 0, 4)
+        generate(tiny_runtime, [[5, 3]], 0, 4)
 
 
 def test_runtime_and_generation_import_no_torch() -> None:

@@ -21,8 +21,7 @@ from model.checkpoint import load_model
 from model.decoding import beam_search, pad_batch
 from model.tokenizer import Tokenizer
 from service.app import create_app
-from service.settings import Settings
-from tests.service.conftest import serving
+from tests.service.conftest import serving, tiny_settings
 
 pytestmark = pytest.mark.anyio
 
@@ -32,28 +31,16 @@ TEXTS = ["abc de", "a", "fgh", "ij klm", "no", "a b c", "mlk", "hello", "ab cd e
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def settings_for(models_dir: Path, **overrides: Any) -> Settings:
-    """CPU, one thread, the fp32 variant (the one whose outputs equal PyTorch exactly)."""
-    options: dict[str, Any] = {
-        "models_dir": models_dir, "providers": ("CPUExecutionProvider",), "threads": 1,
-        "variant": "fp32", **overrides,
-    }
-    return Settings(**options)
+
+
+
+
 
 
 @pytest.fixture(scope="module")
-def models_dir(tiny_model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A models folder holding a copy of the tiny repository (as `models/<name>/`)."""
-    root = tmp_path_factory.mktemp("served-models")
-    shutil.copytree(tiny_model_repository, root / tiny_model_repository.name)
-    return root
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_repository: Path) -> Any:
+def reference(tiny_repository_model: Any, tiny_repository_tokenizer: Tokenizer) -> Any:
     """`reference(text, beam_size, max_new_tokens)`: PyTorch decoding of one text, alone."""
-    model = load_model(tiny_model_repository)
-    tokenizer = Tokenizer.from_file(tiny_model_repository / "tokenizer.model")
+    model, tokenizer = tiny_repository_model, tiny_repository_tokenizer
 
     def decode(text: str, beam_size: int, max_new_tokens: int) -> dict[str, Any]:
         source = pad_batch([[*tokenizer.encode(text), tokenizer.eos_id]], tokenizer.pad_id)
@@ -83,12 +70,12 @@ def without_input_tokens(output: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("beam_size", [1, 3, 8])
 @pytest.mark.parametrize("max_new_tokens", [None, 4])
 async def test_outputs_equal_the_pytorch_reference(
-    models_dir: Path, reference: Any, beam_size: int, max_new_tokens: int | None
+    served_tiny_models: Path, reference: Any, beam_size: int, max_new_tokens: int | None
 ) -> None:
     body: dict[str, Any] = {"texts": TEXTS, "beam_size": beam_size}
     if max_new_tokens is not None:
         body["max_new_tokens"] = max_new_tokens
-    async with serving(create_app(settings_for(models_dir))) as client:
+    async with serving(create_app(tiny_settings(served_tiny_models))) as client:
         response = await client.post("/v1/translate", json=body)
     assert response.status_code == 200, response.text
     outputs = response.json()["outputs"]
@@ -99,8 +86,8 @@ async def test_outputs_equal_the_pytorch_reference(
         assert outputs[0]["text"].strip() == "ed cba"
 
 
-async def test_concurrent_requests_are_batched_and_equal_alone(models_dir: Path) -> None:
-    app = create_app(settings_for(models_dir, max_wait_ms=20))
+async def test_concurrent_requests_are_batched_and_equal_alone(served_tiny_models: Path) -> None:
+    app = create_app(tiny_settings(served_tiny_models, max_wait_ms=20))
     bodies = [{"text": TEXTS[i % len(TEXTS)], "beam_size": 1 + (i % 2)} for i in range(64)]
     async with serving(app) as client:
         alone = [(await client.post("/v1/translate", json=b)).json() for b in bodies[:4]]
@@ -116,9 +103,9 @@ async def test_concurrent_requests_are_batched_and_equal_alone(models_dir: Path)
 
 
 async def test_models_reports_the_provider_and_variant(
-    models_dir: Path, tiny_model_repository: Path
+    served_tiny_models: Path, tiny_model_repository: Path
 ) -> None:
-    async with serving(create_app(settings_for(models_dir, variant=None))) as client:
+    async with serving(create_app(tiny_settings(served_tiny_models, variant=None))) as client:
         [card] = (await client.get("/v1/models")).json()["models"]
         exposition = (await client.get("/metrics")).text
     assert card["name"] == tiny_model_repository.name
@@ -130,8 +117,8 @@ async def test_models_reports_the_provider_and_variant(
            in exposition
 
 
-async def test_token_limits_of_the_model(models_dir: Path) -> None:
-    async with serving(create_app(settings_for(models_dir))) as client:
+async def test_token_limits_of_the_model(served_tiny_models: Path) -> None:
+    async with serving(create_app(tiny_settings(served_tiny_models))) as client:
         long = await client.post("/v1/translate", json={"text": "abcdefghijklmno a"})
         too_many = await client.post("/v1/translate", json={"text": "ab", "max_new_tokens": 17})
         wrong_task = await client.post("/v1/summarize", json={"text": "ab"})
@@ -149,7 +136,7 @@ async def test_a_repository_failing_its_hash_check_is_live_not_ready(
     data = bytearray(decoder.read_bytes())
     data[-1] ^= 0xFF
     decoder.write_bytes(bytes(data))
-    async with serving(create_app(settings_for(tmp_path / "models")), wait_ready=False) as client:
+    async with serving(create_app(tiny_settings(tmp_path / "models")), wait_ready=False) as client:
         for _ in range(600):
             [card] = (await client.get("/v1/models")).json()["models"]
             if card["state"] != "loading":
@@ -167,7 +154,7 @@ COMMITTED = sorted(p.parent for p in (ROOT / "models").glob("*/manifest.json"))
 @pytest.mark.slow
 @pytest.mark.skipif(not COMMITTED, reason="no committed models in models/")
 async def test_committed_default_models_serve_like_pytorch() -> None:
-    app = create_app(settings_for(ROOT / "models"))
+    app = create_app(tiny_settings(ROOT / "models"))
     async with serving(app) as client:
         cards = (await client.get("/v1/models")).json()["models"]
         for card in cards:
