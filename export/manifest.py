@@ -60,6 +60,8 @@ class Variant:
     servable: bool  # False when its quality loss exceeds the bound (or was not measured)
     quality: dict[str, Any] | None = None
     note: str = ""
+    # external-data files stored packed (`export.packed_weights`), expanded in memory at load
+    packed_weights: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -159,7 +161,7 @@ def verify_files(directory: str | Path, manifest: Manifest) -> None:
     root = Path(directory)
     referenced = {manifest.tokenizer, manifest.checkpoint}
     for variant in manifest.variants.values():
-        referenced.update((variant.encoder, variant.decoder))
+        referenced.update((variant.encoder, variant.decoder, *variant.packed_weights))
     for name in sorted(referenced | set(manifest.files)):
         relative = PurePosixPath(name)
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from export import graph_io
+from export import graph_io, packed_weights
 from export.manifest import Manifest, Variant, repository_files, write_manifest
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
 from export.parity import check_parity, parity_sources
@@ -130,11 +130,14 @@ def _build(
     for precision in variants:
         folder = "" if precision == "fp32" else f"{precision}/"
         converted = {file: convert(graph, precision) for file, graph in graphs.items()}
-        save_graphs(staging / folder, converted)
+        # fp32 holds the bf16-rounded weights: stored packed at half the size
+        written = save_graphs(staging / folder, converted, pack_bfloat16=precision == "fp32")
+        packed = [f"{folder}{p.name}" for p in written if p.name.endswith(packed_weights.PACKED_SUFFIX)]
         entries[precision] = Variant(
             encoder=f"{folder}{ENCODER_FILE}", decoder=f"{folder}{DECODER_FILE}", precision=precision,
             providers=PROVIDERS[precision], servable=precision == "fp32", quality=None,
             note="" if precision == "fp32" or data_dir is not None else "quality not measured (no --data-dir)",
+            packed_weights=packed,
         )
     manifest = Manifest(
         name=name, task=task, source_language=source_language, target_language=target_language,

@@ -4,7 +4,9 @@ The encoder and the decoder both hold the (tied) embedding matrix: vocab x d_mod
 fp32 for our 8000 x 256 models. Saved as two self-contained .onnx files it is stored twice;
 here every large initializer goes to `weights.bin` beside the graphs, deduplicated by content,
 so the tied matrix is stored once per variant. onnxruntime reads external data relative to
-the .onnx file; the file name stays inside the variant's folder.
+the .onnx file; the file name stays inside the variant's folder. With `pack_bfloat16` (weights
+that are all bfloat16 numbers), the file is stored packed at half the size as
+`weights.bin.bf16` (see `export.packed_weights`) and expanded in memory when served.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import onnx
 from onnx import numpy_helper
+
+from export import packed_weights
 
 WEIGHTS_FILE = "weights.bin"
 MIN_EXTERNAL_BYTES = 1024  # smaller tensors stay inside the graph
@@ -29,8 +33,10 @@ def _raw(tensor: onnx.TensorProto) -> bytes:
     return tensor.raw_data
 
 
-def save_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto]) -> list[Path]:
+def save_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto], pack_bfloat16: bool = False) -> list[Path]:
     """Save {file name: graph} into `directory` with one `weights.bin`; returns the files written.
+    With `pack_bfloat16`, `weights.bin` is written packed (`weights.bin.bf16`), or raises
+    `packed_weights.NotBfloat16` when some weight is not a bfloat16 number.
     The graphs passed in are left as they are (copies are rewritten)."""
     directory = Path(directory)
     copies = {}
@@ -69,9 +75,31 @@ def save_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto]) -> li
         onnx.save_model(graph, str(path))
         onnx.checker.check_model(str(path))
         written.append(path)
+    if blob and pack_bfloat16:  # checked above against the plain file, then packed
+        packed = directory / packed_weights.packed_name(WEIGHTS_FILE)
+        packed.write_bytes(packed_weights.pack(bytes(blob)))
+        (directory / WEIGHTS_FILE).unlink()
+        written[written.index(directory / WEIGHTS_FILE)] = packed
     return written
 
 
 def load_graph(path: str | Path) -> onnx.ModelProto:
-    """A graph with its external weights loaded into memory."""
-    return onnx.load_model(str(path), load_external_data=True)
+    """A graph with its external weights loaded into memory (from a packed file if so stored)."""
+    path = Path(path)
+    graph = onnx.load_model(str(path), load_external_data=False)
+    files: dict[str, bytes] = {}
+    for tensor in graph.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info["location"]
+        if location not in files:
+            plain, packed = path.parent / location, path.parent / packed_weights.packed_name(location)
+            files[location] = (plain.read_bytes() if plain.exists()
+                               else packed_weights.read_unpacked(packed).tobytes())
+        offset = int(info.get("offset", 0))
+        length = int(info.get("length", len(files[location]) - offset))
+        tensor.raw_data = files[location][offset:offset + length]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+    return graph

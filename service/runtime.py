@@ -25,13 +25,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TypeAlias
 
 import numpy as np
 import onnxruntime as ort
 
-from export import graph_io
+from export import graph_io, packed_weights
 from export.manifest import Manifest, ManifestError, Variant, read_manifest, verify_files
 from model.tokenizer import Tokenizer
 
@@ -422,6 +422,10 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int) ->
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1  # sequential executor: one graph call uses intra-op threads only
     providers = [provider] if provider == CPU else [provider, CPU]
+    buffers = [packed_weights.read_unpacked(directory / path) for path in variant.packed_weights]
+    if buffers:  # both graphs read them by their unpacked name, relative to the graph's folder
+        names = [PurePosixPath(path).name.removesuffix(packed_weights.PACKED_SUFFIX) for path in variant.packed_weights]
+        options.add_external_initializers_from_files_in_memory(names, buffers, [b.nbytes for b in buffers])
     sessions = []
     for path in (variant.encoder, variant.decoder):
         try:

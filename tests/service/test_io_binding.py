@@ -160,12 +160,13 @@ def test_fp16_cache_in_graph_io(tiny_model_repository: Path, sources, tmp_path: 
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     from export.manifest import Variant, read_manifest, write_manifest
+    from export.storage import load_graph
 
     repository = tmp_path / "tiny"
     shutil.copytree(tiny_model_repository, repository)
     (repository / "fp16io").mkdir()
     for graph in ("encoder", "decoder"):
-        converted = convert_float_to_float16(onnx.load(str(repository / f"{graph}.onnx")), keep_io_types=False)
+        converted = convert_float_to_float16(load_graph(repository / f"{graph}.onnx"), keep_io_types=False)
         onnx.save(converted, str(repository / "fp16io" / f"{graph}.onnx"))
     manifest = read_manifest(repository)
     manifest.variants["fp16"] = Variant("fp16io/encoder.onnx", "fp16io/decoder.onnx", "fp16", [CPU], True)
