@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import metrics
 from service.errors import error_response, install_error_handlers
 from service.registry import GeneratorFactory, Loader, ModelRegistry, onnx_generator, onnx_loader
-from service.routes import attention, generate, health, models, page
+from service.routes import attention, generate, health, kserve, models, page
 from service.routes import metrics as metrics_route
 from service.settings import Settings
 
@@ -65,7 +65,7 @@ def create_app(
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
     for router in (generate.router, attention.router, models.router, health.router,
-                   metrics_route.router, page.router):
+                   kserve.router, metrics_route.router, page.router):
         app.include_router(router)
     return app
 

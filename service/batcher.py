@@ -8,12 +8,20 @@ is sorted by source length and generated in the model's own single worker thread
 event loop never blocks. If generation raises, every row of that batch fails with
 `InternalError` and the loop goes on with the next batch. Other work on the model (attention
 maps) runs in the same worker thread between batches, through `run`.
+
+A streamed row carries `RowHooks`: the generation function calls `on_token` (in the worker
+thread) for each token as it is decoded, and drops the row from the running batch at the next
+decoder step once `cancel` is set. `cancel(future)` cancels a row wherever it is: a queued row
+leaves the queue, a running row is flagged; both are counted in `cancelled_rows_total`. A batch
+without hooks calls the generation function exactly as before (three arguments).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -39,8 +47,22 @@ class Generated(Protocol):
     def finish_reason(self) -> str: ...
 
 
-# (sources ending with EOS, beam_size, max_new_tokens) -> one result per source, in order.
-GenerateFn = Callable[[list[list[int]], int, int], Sequence[Generated]]
+# (sources ending with EOS, beam_size, max_new_tokens) -> one result per source, in order;
+# called with `hooks=[RowHooks | None, ...]` (one per source) when a row of the batch streams.
+GenerateFn = Callable[..., Sequence[Generated]]
+
+
+@dataclass
+class RowHooks:
+    """What a streamed row asks of the generation loop; read in the worker thread."""
+
+    on_token: Callable[[int], None] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the row should leave the batch at the next decoder step."""
+        return self.cancel.is_set()
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,7 @@ class BatchCounters:
     batches: int = 0
     rows: int = 0
     max_batch_rows: int = 0
+    cancelled: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +101,7 @@ class _Row:
     source: list[int]
     key: _Key
     future: asyncio.Future[Generated]
+    hooks: RowHooks | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
 
 
@@ -106,6 +130,11 @@ class Batcher:
         """Rows admitted and not yet in a batch."""
         return len(self._queue)
 
+    @property
+    def running(self) -> int:
+        """Rows of the batch now generating that are not cancelled."""
+        return sum(1 for row in self._running if not (row.hooks and row.hooks.cancelled))
+
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
         if self._task is None:
@@ -133,9 +162,16 @@ class Batcher:
             raise
 
     def enqueue(
-        self, sources: list[list[int]], beam_size: int, max_new_tokens: int
+        self,
+        sources: list[list[int]],
+        beam_size: int,
+        max_new_tokens: int,
+        hooks: Sequence[RowHooks | None] | None = None,
     ) -> list[asyncio.Future[Generated]]:
-        """Admit all rows of one request, or none; returns one future per row."""
+        """Admit all rows of one request, or none; returns one future per row.
+
+        `hooks`, one per source, make rows streamed (`RowHooks`).
+        """
         if not self._accepting:
             metrics.REJECTED_TOTAL.labels(self.model, "draining").inc()
             raise NotReady("the server is shutting down")
@@ -146,12 +182,47 @@ class Batcher:
             )
         loop = asyncio.get_running_loop()
         key = _Key(beam_size, max_new_tokens)
-        rows = [_Row(list(source), key, loop.create_future()) for source in sources]
+        row_hooks = list(hooks) if hooks is not None else [None] * len(sources)
+        if len(row_hooks) != len(sources):
+            raise ValueError(f"{len(row_hooks)} hooks for {len(sources)} sources")
+        rows = [
+            _Row(list(source), key, loop.create_future(), hook)
+            for source, hook in zip(sources, row_hooks, strict=True)
+        ]
         self._queue.extend(rows)
         metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
         self._idle.clear()
         self._arrived.set()
         return [row.future for row in rows]
+
+    def cancel(self, future: asyncio.Future[Generated]) -> str | None:
+        """Cancel the row of `future`; returns where it was ("queued" or "decoding").
+
+        A queued row leaves the queue; a running row has its hooks' `cancel` set, so the
+        generation loop drops it at the next decoder step (a row without hooks runs to the end
+        of its batch). None when the row already finished or is unknown.
+        """
+        if future.done():
+            return None
+        stage: str | None = None
+        for row in self._queue:
+            if row.future is future:
+                self._queue.remove(row)
+                metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+                stage = "queued"
+                break
+        else:
+            for row in self._running:
+                if row.future is future:
+                    if row.hooks is not None:
+                        row.hooks.cancel.set()
+                    stage = "decoding"
+                    break
+        future.cancel()
+        if stage is not None:
+            self.counters.cancelled += 1
+            metrics.CANCELLED_ROWS_TOTAL.labels(self.model, stage).inc()
+        return stage
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in the model's worker thread, between batches (never beside one).
@@ -274,9 +345,12 @@ class Batcher:
         sources = [row.source for row in rows]
         loop = asyncio.get_running_loop()
         self._running = rows  # failed by `close` if the loop is cancelled while they run
+        generate: Callable[..., Sequence[Generated]] = self._generate
+        if any(row.hooks is not None for row in rows):
+            generate = functools.partial(self._generate, hooks=[row.hooks for row in rows])
         try:
             results = await loop.run_in_executor(
-                self._executor, self._generate, sources, key.beam_size, key.max_new_tokens
+                self._executor, generate, sources, key.beam_size, key.max_new_tokens
             )
             if len(results) != len(rows):
                 raise RuntimeError(f"{len(results)} results for {len(rows)} rows")

@@ -8,10 +8,17 @@ Torch-free (numpy). It produces exactly the tokens of the PyTorch reference,
 - beam search scores a hypothesis by its summed log-probability / (length incl. EOS) **
   length_penalty, accepts EOS only within the top `beam_size` candidates of a step, and closes a
   row once it holds `beam_size` finished hypotheses (fairseq's rule); beam 1 is greedy.
+
+Streaming: `hooks` (one per source, or None) let a caller see greedy tokens as they are decoded
+(`on_token`, called in this thread) and drop a row between decoder steps (`cancelled`); a
+cancelled row ends with finish_reason "cancelled" and leaves the batch like a finished one.
+Beam search calls no `on_token` (a beam's tokens may still change): the caller streams the
+final hypothesis.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,12 +41,24 @@ class Runtime(Protocol):
                need_attention: bool = False) -> DecoderStep: ...
 
 
+class RowHooks(Protocol):
+    """What generation uses of `service.batcher.RowHooks`."""
+
+    @property
+    def on_token(self) -> Callable[[int], None] | None: ...
+    @property
+    def cancelled(self) -> bool: ...
+
+
+Hooks = Sequence[RowHooks | None]
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     """One generated sequence."""
 
     tokens: list[int]
-    finish_reason: str  # "eos" | "length"
+    finish_reason: str  # "eos" | "length" | "cancelled"
     score: float  # summed log-probability (greedy) or the length-normalised beam score
 
 
@@ -65,6 +84,7 @@ def generate(
     beam_size: int,
     max_new_tokens: int,
     length_penalty: float = 1.0,
+    hooks: Hooks | None = None,
 ) -> list[GenerationResult]:
     """Generate for each source (ids ending with EOS); one result per source, in order."""
     if not sources:
@@ -73,14 +93,30 @@ def generate(
         raise ValueError("every source needs at least its EOS")
     if beam_size < 1 or max_new_tokens < 1:
         raise ValueError(f"beam_size and max_new_tokens must be >= 1, got {beam_size}, {max_new_tokens}")
+    if hooks is not None and len(hooks) != len(sources):
+        raise ValueError(f"{len(hooks)} hooks for {len(sources)} sources")
     state = runtime.encode(runtime.pad(sources))
     if beam_size == 1:
-        return greedy(runtime, state, max_new_tokens)
-    return beam_search(runtime, state, beam_size, max_new_tokens, length_penalty)
+        return greedy(runtime, state, max_new_tokens, hooks)
+    return beam_search(runtime, state, beam_size, max_new_tokens, length_penalty, hooks)
 
 
-def greedy(runtime: Runtime, state: EncoderState, max_new_tokens: int) -> list[GenerationResult]:
-    """The most likely token at every step; a row stops at EOS or at the token limit."""
+def _cancelled(hooks: Hooks | None, row: int) -> bool:
+    hook = hooks[row] if hooks is not None else None
+    return hook is not None and hook.cancelled
+
+
+def _emit(hooks: Hooks | None, row: int, token: int) -> None:
+    hook = hooks[row] if hooks is not None else None
+    if hook is not None and hook.on_token is not None:
+        hook.on_token(token)
+
+
+def greedy(
+    runtime: Runtime, state: EncoderState, max_new_tokens: int, hooks: Hooks | None = None
+) -> list[GenerationResult]:
+    """The most likely token at every step; a row stops at EOS, at the token limit or when its
+    hook is cancelled."""
     batch = state.source_mask.shape[0]
     results: list[GenerationResult | None] = [None] * batch
     tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -98,11 +134,14 @@ def greedy(runtime: Runtime, state: EncoderState, max_new_tokens: int) -> list[G
             scores[row] += float(log_probs[i, token])
             if token == runtime.eos_id:
                 results[row] = GenerationResult(tokens[row], "eos", scores[row])
-            elif step == max_new_tokens - 1:
-                tokens[row].append(token)
+                continue
+            tokens[row].append(token)
+            _emit(hooks, row, token)
+            if step == max_new_tokens - 1:
                 results[row] = GenerationResult(tokens[row], "length", scores[row])
+            elif _cancelled(hooks, row):
+                results[row] = GenerationResult(tokens[row], "cancelled", scores[row])
             else:
-                tokens[row].append(token)
                 keep.append(i)
         if not keep:
             break
@@ -114,9 +153,12 @@ def greedy(runtime: Runtime, state: EncoderState, max_new_tokens: int) -> list[G
 
 
 def beam_search(
-    runtime: Runtime, state: EncoderState, beam_size: int, max_new_tokens: int, length_penalty: float
+    runtime: Runtime, state: EncoderState, beam_size: int, max_new_tokens: int, length_penalty: float,
+    hooks: Hooks | None = None,
 ) -> list[GenerationResult]:
-    """Beam search; the beams of open row r sit at r*k..r*k+k-1 of the decoder batch."""
+    """Beam search; the beams of open row r sit at r*k..r*k+k-1 of the decoder batch.
+
+    A row whose hook is cancelled closes with its best open beam, finish_reason "cancelled"."""
     batch, k = state.source_mask.shape[0], beam_size
     state = state.select(np.repeat(np.arange(batch), k))  # (B*K, ...)
     cache: KVCache | None = None
@@ -125,6 +167,7 @@ def beam_search(
     beam_scores[:, 1:] = -np.inf  # all beams start identical: expand only the first
     last = np.full((batch * k, 1), runtime.bos_id, dtype=np.int64)
     finished: list[list[GenerationResult]] = [[] for _ in range(batch)]
+    cancelled: dict[int, GenerationResult] = {}
     open_rows = list(range(batch))
     for step in range(max_new_tokens):
         out = runtime.decode(last, state, cache)
@@ -151,6 +194,10 @@ def beam_search(
                     alive.append((beam, token, score))
             if len(finished[row]) >= k:
                 continue
+            if _cancelled(hooks, row) and step < max_new_tokens - 1:
+                beam, token, score = alive[0]
+                cancelled[row] = GenerationResult(beam_tokens[beam] + [token], "cancelled", score)
+                continue
             if step == max_new_tokens - 1:
                 for beam, token, score in alive[: k - len(finished[row])]:
                     normalised = score / length**length_penalty
@@ -171,7 +218,10 @@ def beam_search(
         beam_scores[still_open] = np.asarray(next_scores, dtype=np.float32).reshape(len(still_open), k)
         last = np.asarray(next_tokens, dtype=np.int64)[:, None]
         open_rows = still_open
-    return [max(hyps, key=lambda g: g.score) for hyps in finished]
+    return [
+        cancelled[row] if row in cancelled else max(hyps, key=lambda g: g.score)
+        for row, hyps in enumerate(finished)
+    ]
 
 
 @dataclass(frozen=True)

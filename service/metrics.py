@@ -115,6 +115,12 @@ REJECTED_TOTAL = Counter(
     ["model", "reason"],
     registry=REGISTRY,
 )
+CANCELLED_ROWS_TOTAL = Counter(
+    "attnserve_cancelled_rows_total",
+    "Rows of streamed requests cancelled (client gone), by where they were: queued or decoding.",
+    ["model", "stage"],
+    registry=REGISTRY,
+)
 MODEL_INFO = Gauge(
     "attnserve_model_info",
     "Loaded models (value 1): task, execution provider in use and variant (fp32, fp16, int8).",

@@ -47,14 +47,21 @@ class GenerateRequest(BaseModel):
         "heads), one row per generated token (and `</s>` when it ended with one), one column "
         "per source token (and `</s>`), with the tokens of both",
     )
-    stream: bool = Field(default=False, description="not supported yet")
+    stream: bool = Field(
+        default=False,
+        description="answer with Server-Sent Events: one event per generated token (greedy; "
+        "beam search sends the final hypothesis's tokens), then a final event with the output "
+        "and usage; one `text` only, without `return_attention`",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> Self:
         if (self.text is None) == (self.texts is None):
             raise ValueError("give exactly one of `text` and `texts`")
-        if self.stream:
-            raise ValueError("`stream` is not supported yet")
+        if self.stream and self.texts is not None:
+            raise ValueError("`stream` takes one `text`, not `texts`")
+        if self.stream and self.return_attention:
+            raise ValueError("`stream` and `return_attention` do not go together")
         return self
 
     @property
@@ -174,6 +181,8 @@ class BatchCounters(BaseModel):
     batches: int
     rows: int
     max_batch_rows: int
+    cancelled: int = Field(description="streamed rows cancelled because their client left")
+    running: int = Field(description="rows of the batch generating now (cancelled ones excluded)")
 
 
 class ModelCard(BaseModel):

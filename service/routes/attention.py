@@ -18,7 +18,8 @@ from service import attention
 from service.attention import AttentionRuntime, Selection
 from service.errors import InvalidInput
 from service.routes.deps import RegistryDep, SettingsDep
-from service.routes.generate import ERROR_RESPONSES, attention_runtime, within_deadline
+from service.pipeline import attention_runtime, within_deadline
+from service.routes.generate import ERROR_RESPONSES
 from service.schemas import AttentionRequest, AttentionResponse
 from service.settings import Settings
 

@@ -34,5 +34,7 @@ def _card(entry: ModelEntry) -> ModelCard:
             batches=counters.batches if counters else 0,
             rows=counters.rows if counters else 0,
             max_batch_rows=counters.max_batch_rows if counters else 0,
+            cancelled=counters.cancelled if counters else 0,
+            running=batcher.running if batcher is not None else 0,
         ),
     )

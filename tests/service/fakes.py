@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
 FAIL_CHAR = "#"  # a text with this character makes its whole batch raise
@@ -28,6 +29,9 @@ class CharTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(ALPHABET[i - 4] if i >= 4 else "?" for i in ids)
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
 
 
 @dataclass(frozen=True)
@@ -55,14 +59,18 @@ class FakeRuntime:
 
 @dataclass
 class FakeModel:
-    """Reverses each source; records every batch; optionally slow (per batch)."""
+    """Reverses each source; records every batch; optionally slow (per batch, or per decoder
+    step of a streamed batch: one with `hooks`, which it decodes step by step like greedy)."""
 
     delay_s: float = 0.0
+    step_delay_s: float = 0.0
     batches: list[list[int]] = field(default_factory=list)  # source lengths of each batch
+    steps: list[int] = field(default_factory=list)  # rows decoding at each step (streamed)
     threads: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def generate(self, sources: list[list[int]], beam_size: int, max_new_tokens: int) -> list[Result]:
+    def generate(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
+                 hooks: Sequence[Any] | None = None) -> list[Result]:
         with self.lock:
             self.batches.append([len(s) for s in sources])
             self.threads.add(threading.current_thread().name)
@@ -70,7 +78,36 @@ class FakeModel:
             time.sleep(self.delay_s)
         if any(UNK in source for source in sources):
             raise RuntimeError("boom: the fake model fails on '#'")
-        return [reverse(source, max_new_tokens) for source in sources]
+        if hooks is None:
+            return [reverse(source, max_new_tokens) for source in sources]
+        return self._stepwise(sources, max_new_tokens, hooks)
+
+    def _stepwise(self, sources: list[list[int]], max_new_tokens: int,
+                  hooks: Sequence[Any]) -> list[Result]:
+        final = [reverse(source, max_new_tokens) for source in sources]
+        results: list[Result | None] = [None] * len(sources)
+        active = list(range(len(sources)))
+        step = 0
+        while active:
+            self.steps.append(len(active))
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+            still = []
+            for row in active:
+                tokens = final[row].tokens
+                if step == len(tokens):
+                    results[row] = final[row]
+                    continue
+                if hooks[row] is not None and hooks[row].on_token is not None:
+                    hooks[row].on_token(tokens[step])
+                if hooks[row] is not None and hooks[row].cancelled:
+                    results[row] = Result(tokens[: step + 1], "cancelled")
+                elif step + 1 == len(tokens) and final[row].finish_reason == "length":
+                    results[row] = final[row]
+                else:
+                    still.append(row)
+            active, step = still, step + 1
+        return [r if r is not None else Result([], "eos") for r in results]
 
 
 def reverse(source: list[int], max_new_tokens: int) -> Result:

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from service import metrics
-from service.batcher import Batcher, BatchLimits
+from service.batcher import Batcher, BatchLimits, RowHooks
 from service.errors import InternalError, NotReady, Overloaded
 from tests.service.fakes import EOS, UNK, FakeModel, reverse
 
@@ -188,3 +188,53 @@ async def test_run_uses_the_worker_thread_between_batches_and_is_admitted_like_r
     await batcher.close(1)
     with pytest.raises(NotReady):
         await batcher.run(job, "late")
+
+
+def cancelled_rows(model: str, stage: str) -> float:
+    return metrics.CANCELLED_ROWS_TOTAL.labels(model, stage)._value.get()
+
+
+async def test_hooks_stream_tokens_from_the_worker_and_plain_batches_get_none() -> None:
+    model = FakeModel()
+    batcher = make(model, "b-hooks", max_wait_s=0.05)
+    seen: list[tuple[int, str]] = []
+    hooks = RowHooks(on_token=lambda t: seen.append((t, threading.current_thread().name)))
+    [streamed], [plain] = await asyncio.gather(
+        asyncio.gather(*batcher.enqueue([source(4)], 1, 10, hooks=[hooks])),
+        batcher.submit([source(3)], 1, 10),
+    )
+    assert streamed == reverse(source(4), 10) and plain == reverse(source(3), 10)
+    assert [t for t, _ in seen] == streamed.tokens
+    assert all(name.startswith("batch-b-hooks") for _, name in seen)
+    assert model.batches == [[4, 5]]  # streamed and plain rows share a batch
+    with pytest.raises(ValueError, match="hooks"):
+        batcher.enqueue([source(4)], 1, 10, hooks=[])
+    await batcher.close(1)
+
+
+async def test_cancel_a_queued_row_and_a_running_row() -> None:
+    model = FakeModel(step_delay_s=0.02)
+    batcher = make(model, "b-cancel-stages", max_batch_size=1)
+    queued_before = cancelled_rows("b-cancel-stages", "queued")
+    decoding_before = cancelled_rows("b-cancel-stages", "decoding")
+    running_hooks, queued_hooks = RowHooks(), RowHooks()
+    [running] = batcher.enqueue([source(30)], 1, 50, hooks=[running_hooks])
+    await asyncio.sleep(0.1)  # the first row is decoding (30 steps of 20 ms)
+    [queued] = batcher.enqueue([source(5)], 1, 50, hooks=[queued_hooks])
+    assert batcher.running == 1 and batcher.depth == 1
+    assert batcher.cancel(queued) == "queued"
+    assert batcher.depth == 0 and queued.cancelled()
+    assert batcher.cancel(running) == "decoding"
+    assert running_hooks.cancelled and batcher.running == 0
+    for _ in range(100):  # the batch ends at the next step
+        if model.steps and len(model.batches) == 1 and batcher._running == []:
+            break
+        await asyncio.sleep(0.01)
+    assert batcher._running == [] and len(model.steps) < 30
+    assert batcher.cancel(running) is None  # already cancelled: counted once
+    assert batcher.counters.cancelled == 2
+    assert cancelled_rows("b-cancel-stages", "queued") == queued_before + 1
+    assert cancelled_rows("b-cancel-stages", "decoding") == decoding_before + 1
+    assert await batcher.submit([source(3)], 1, 10) == [reverse(source(3), 10)]
+    assert model.batches == [[31], [4]]  # the queued row never ran
+    await batcher.close(1)

@@ -106,3 +106,62 @@ def test_bad_arguments(tiny_runtime: ModelRuntime) -> None:
 def test_runtime_and_generation_import_no_torch() -> None:
     code = "import sys, service.generation, service.runtime; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parents[2]).returncode == 0
+
+
+class _Hooks:
+    """Records the tokens streamed to it; reads as cancelled from its `cancel_at`-th check (one
+    check per decoder step of its row)."""
+
+    def __init__(self, cancel_at: int | None = None) -> None:
+        self.tokens: list[int] = []
+        self.cancel_at = cancel_at
+        self.checks = 0
+
+    def on_token(self, token: int) -> None:
+        self.tokens.append(token)
+
+    @property
+    def cancelled(self) -> bool:
+        self.checks += 1
+        return self.cancel_at is not None and self.checks >= self.cancel_at
+
+
+class _CountingRuntime:
+    """The runtime, recording the decoder batch (rows) of every step."""
+
+    def __init__(self, runtime: ModelRuntime) -> None:
+        self.runtime = runtime
+        self.rows: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.runtime, name)
+
+    def decode(self, input_ids, *args, **kwargs):
+        self.rows.append(int(input_ids.shape[0]))
+        return self.runtime.decode(input_ids, *args, **kwargs)
+
+
+def test_greedy_streams_each_token_and_changes_nothing(tiny_runtime: ModelRuntime, sources) -> None:
+    hooks = [_Hooks() for _ in sources]
+    streamed = generate(tiny_runtime, sources, 1, 12, hooks=hooks)
+    _same(streamed, generate(tiny_runtime, sources, 1, 12))
+    assert [h.tokens for h in hooks] == [g.tokens for g in streamed]
+    assert any(h.tokens for h in hooks)
+
+
+def test_a_cancelled_row_leaves_the_batch(tiny_runtime: ModelRuntime, sources) -> None:
+    batch = [s for s in sources[:12] if len(s) >= 7][:2]  # 6+ tokens to reverse, limit 4:
+    plain = generate(tiny_runtime, batch, 1, 4)  # no row finishes before the limit
+    assert [g.finish_reason for g in plain] == ["length", "length"]
+    for beam_size in (1, 2):
+        counting = _CountingRuntime(tiny_runtime)
+        hooks = [_Hooks(cancel_at=2), None]
+        out = generate(counting, batch, beam_size, 4, hooks=hooks)  # type: ignore[arg-type]
+        assert out[0].finish_reason == "cancelled" and len(out[0].tokens) == 2
+        _same(out[1:], generate(tiny_runtime, batch[1:], beam_size, 4))  # the other row is untouched
+        if beam_size == 1:
+            assert hooks[0].tokens == plain[0].tokens[:2]
+        else:
+            assert hooks[0].tokens == []  # beam search streams nothing while it searches
+        # Two rows (times the beams) for the first steps, then one row until the limit.
+        assert counting.rows == [2 * beam_size] * 2 + [beam_size] * 2

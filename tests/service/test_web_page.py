@@ -12,14 +12,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
-import threading
-import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +28,7 @@ from model.tokenizer import Tokenizer
 from service.app import create_app
 from service.settings import Settings
 from tests.service.browser import Browser, find_chromium
+from tests.service.live_server import serve, wait_until_ready
 
 SOURCE = "abc de"  # 7 pieces of the tiny vocabulary: "▁", "a", "b", "c", "▁", "d", "e"
 TOO_LONG = "abcdefghijklmno abc"  # 20 pieces: over the tiny model's 15
@@ -51,44 +47,6 @@ def real_models(tiny_model_repository: Path, root: Path) -> Path:
     manifest.update(task="summarize", name=SUMMARIZE_MODEL)  # the manifest is not hashed
     manifest_path.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     return root
-
-
-def wait_until_ready(base_url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    while True:
-        try:
-            with opener.open(base_url + "/health/ready", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except urllib.error.HTTPError:
-            pass  # 503 while loading
-        if time.monotonic() > deadline:
-            raise RuntimeError("the app did not turn ready")
-        time.sleep(0.05)
-
-
-@contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Run an ASGI app with uvicorn on a free loopback port, in a thread; yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
