@@ -22,6 +22,7 @@ DESIGN = {
     "attnserve_input_tokens_total": ("counter", {"model"}),
     "attnserve_generated_tokens_total": ("counter", {"model"}),
     "attnserve_rejected_total": ("counter", {"model", "reason"}),
+    "attnserve_cancelled_rows_total": ("counter", {"model", "stage"}),
     "attnserve_model_info": ("gauge", {"model", "task", "provider", "variant"}),
     "attnserve_model_load_seconds": ("gauge", {"model"}),
 }
@@ -53,6 +54,7 @@ def _observe_everything(model: str) -> None:
     metrics.INPUT_TOKENS_TOTAL.labels(model).inc(7)
     metrics.GENERATED_TOKENS_TOTAL.labels(model).inc(9)
     metrics.REJECTED_TOTAL.labels(model, "queue_full").inc()
+    metrics.CANCELLED_ROWS_TOTAL.labels(model, "decoding").inc()
     metrics.MODEL_INFO.labels(model, "translate", "CPUExecutionProvider", "int8").set(1)
     metrics.MODEL_LOAD_SECONDS.labels(model).set(1.5)
 
