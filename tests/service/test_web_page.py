@@ -135,8 +135,14 @@ def test_translate_then_explore_the_heatmap(
     browser.type_text("#source", SOURCE)
     browser.click("#translate")
     browser.wait_for("document.body.dataset.phase === 'done'")
-    translation = post(base_url, "/v1/translate", {"text": SOURCE})["outputs"][0]["text"]
+    plain = post(base_url, "/v1/translate", {"text": SOURCE})["outputs"][0]
+    translation = plain["text"]
     assert browser.evaluate("document.getElementById('output').textContent") == translation
+
+    # The page streamed it: one token event at a time (Server-Sent Events), then the output.
+    generated = [r for r in browser.requests() if r["url"].endswith("/v1/translate")]
+    assert generated and json.loads(generated[-1]["postData"])["stream"] is True
+    assert browser.evaluate("+document.body.dataset.tokens") == plain["output_tokens"]
 
     # The page asked for the attention of exactly the output it shows (teacher forcing).
     sent = [r for r in browser.requests() if r["url"].endswith("/v1/attention")]
