@@ -117,7 +117,8 @@ REJECTED_TOTAL = Counter(
 )
 CANCELLED_ROWS_TOTAL = Counter(
     "attnserve_cancelled_rows_total",
-    "Rows of streamed requests cancelled (client gone), by where they were: queued or decoding.",
+    "Rows of streamed requests cancelled (client gone, or deadline passed), by where they were: "
+    "queued or decoding.",
     ["model", "stage"],
     registry=REGISTRY,
 )

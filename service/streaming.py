@@ -111,9 +111,9 @@ async def _events(
             if next_token is None:
                 next_token = asyncio.ensure_future(tokens.get())
             remaining = settings.request_timeout_s - (time.perf_counter() - prepared.started)
+            waiting: set[asyncio.Future[Any]] = {next_token, future, gone}
             done, _ = await asyncio.wait(
-                {next_token, future, gone}, timeout=max(remaining, 0),
-                return_when=asyncio.FIRST_COMPLETED,
+                waiting, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
             )
             if gone in done:
                 return  # `finally` cancels the row

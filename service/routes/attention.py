@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request, Response
 from service import attention
 from service.attention import AttentionRuntime, Selection
 from service.errors import InvalidInput
-from service.routes.deps import RegistryDep, SettingsDep
 from service.pipeline import attention_runtime, within_deadline
+from service.routes.deps import RegistryDep, SettingsDep
 from service.routes.generate import ERROR_RESPONSES
 from service.schemas import AttentionRequest, AttentionResponse
 from service.settings import Settings

@@ -10,7 +10,8 @@ service's statuses except that bad input is a 400 (not 422). Conversion: `servic
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def kserve_error(status_code: int, message: str,
-                 headers: dict[str, str] | None = None) -> JSONResponse:
+                 headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The protocol's error body."""
     return JSONResponse({"error": message}, status_code=status_code, headers=headers)
 
@@ -35,7 +36,7 @@ def kserve_error(status_code: int, message: str,
 class KServeRoute(APIRoute):
     """A route whose errors take the protocol's shape (bad input: 400)."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def protocol_errors(request: Request) -> Response:
@@ -58,8 +59,8 @@ class KServeRoute(APIRoute):
 
 
 router = APIRouter(tags=["kserve v2"], route_class=KServeRoute)
-ERROR = {"content": {"application/json": {"example": {"error": "..."}}}}
-RESPONSES: dict[int | str, dict[str, object]] = {
+ERROR: dict[str, Any] = {"content": {"application/json": {"example": {"error": "..."}}}}
+RESPONSES: dict[int | str, dict[str, Any]] = {
     code: ERROR for code in (400, 404, 413, 429, 500, 503, 504)
 }
 
@@ -124,8 +125,8 @@ async def infer(
     results = await pipeline.generate(prepared, settings)
     outputs = [pipeline.output(prepared.runtime, source, result)
                for source, result in zip(prepared.sources, results, strict=True)]
-    values = {"output": [o.text for o in outputs],
-              "finish_reason": [o.finish_reason for o in outputs]}
+    values: dict[str, list[str]] = {"output": [o.text for o in outputs],
+                                    "finish_reason": [o.finish_reason for o in outputs]}
     body, header_length = kserve.response_body(entry.name, inference, values)
     if header_length is None:
         return Response(body, media_type="application/json")

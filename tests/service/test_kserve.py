@@ -22,7 +22,7 @@ from tests.service.fakes import FakeLoader, FakeModel
 from tests.service.live_server import serve, wait_until_ready
 
 httpclient = pytest.importorskip("tritonclient.http")
-from tritonclient.utils import InferenceServerException  # noqa: E402
+from tritonclient.utils import InferenceServerException
 
 MODEL = "tiny-reverse"
 TEXTS = ["abc de", "kol", "a b c", "mn o"]
