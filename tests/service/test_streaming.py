@@ -145,3 +145,23 @@ async def test_a_failure_after_the_stream_started_is_the_last_event(
     assert [e.get("delta") for e in events] == ["c", "b", "a", ""]
     assert events[-1]["output"] == {"text": "cba", "finish_reason": "eos", "input_tokens": 4,
                                     "output_tokens": 3}
+
+
+@pytest.mark.anyio
+async def test_the_deadline_ends_a_stream_with_an_error_event_and_frees_the_row(
+    make_app: AppFactory, fake_model: FakeModel
+) -> None:
+    fake_model.step_delay_s = 0.05  # 26 steps: 1.3 s, over the 0.4 s deadline
+    app = make_app(request_timeout_s=0.4)
+    async with serving(app) as client:
+        response = await client.post("/v1/translate",
+                                      json={"text": "abcdefghijklmnopqrstuvwxyz", "stream": True})
+        batcher = app.state.registry.resolve("translate", None).batcher
+    events = [json.loads(line[6:]) for line in response.text.split("\n\n") if line]
+    *tokens, last = events
+    assert last == {"error": "no result within the deadline of 0.4s",
+                    "error_type": "deadline_exceeded"}
+    assert 0 < len(tokens) < 26
+    assert "".join(e["delta"] for e in tokens) == "zyxwvutsrqponmlkjihgfedcba"[:len(tokens)]
+    assert batcher.counters.cancelled == 1
+    assert max(fake_model.steps[-3:]) == 1 and len(fake_model.steps) < 26
