@@ -1,0 +1,226 @@
+"""One invocation, every system: service over HTTP (batching on/off, closed and open loop), the
+ONNX models in-process, the naive PyTorch server, and CTranslate2 on the same weights.
+
+Each task's model folder under `--models` is benchmarked on the first N inputs of
+`<data-dir>/<model>/test.src`; the results land in `<out>/<name>.json|.md|-<task>.png`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen, machine, report, targets
+from bench.servers import ServerProcess, free_port, service_command
+from bench.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+ROUTES = {"translate": "/v1/translate", "summarize": "/v1/summarize"}
+OPEN_LOOP_LOAD = 0.7  # offered rate as a fraction of the best measured throughput
+SYSTEMS = ("service", "in_process", "naive", "ctranslate2")
+
+
+@dataclass
+class BenchConfig:
+    """Everything `attnserve bench` takes."""
+
+    models_dir: Path = Path("models")
+    data_dir: Path = Path("data")
+    out_dir: Path = Path("bench/results/cpu")
+    name: str = "bench"
+    sentences: int = 1000  # translation inputs
+    summaries: int = 300  # summarization inputs
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    duration_s: float = 120.0  # cap on each closed-loop run and each baseline pass
+    rate: float | None = None  # open-loop requests/s; None = 70% of the best closed-loop throughput
+    open_duration_s: float = 30.0
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    single_sentences: int = 200  # CTranslate2 one-sentence-per-call latency sample
+    naive_requests: int = 200  # the naive server is slow: it answers at most this many per task
+    threads: int = 0  # onnxruntime / CTranslate2 / torch intra-op threads (0 = each one's default)
+    systems: tuple[str, ...] = SYSTEMS
+    label: str = ""
+    command: str = ""
+
+
+def discover(models_dir: Path) -> list[tuple[Path, str, str]]:
+    """(folder, model name, task) of every model repository folder under `models_dir`."""
+    from export.manifest import read_manifest
+
+    found = []
+    for manifest in sorted(models_dir.glob("*/manifest.json")):
+        parsed = read_manifest(manifest.parent)
+        found.append((manifest.parent, parsed.name, parsed.task))
+    return found
+
+
+def _timed(label: str, action: Callable[[], Any]) -> Any:
+    started = time.perf_counter()
+    logger.info("%s ...", label)
+    value = action()
+    logger.info("%s done in %.1fs", label, time.perf_counter() - started)
+    return value
+
+
+def _stats(result: loadgen.LoadResult, **extra: Any) -> dict[str, Any]:
+    values = result.stats().to_dict()
+    if result.error_samples:
+        values["error_samples"] = result.error_samples
+    return {**values, **extra}
+
+
+def run_service(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any]) -> None:
+    """`attnserve serve` with batching on, then off: closed loop at each concurrency, then open loop."""
+    rates: dict[str, float] = {}
+    for mode, batching in (("batching_on", True), ("batching_off", False)):
+        port = free_port()
+        server = ServerProcess(service_command(config.models_dir, port, batching, config.threads), port,
+                               config.out_dir / "logs" / f"{config.name}-service-{mode}.log",
+                               env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
+        _timed(f"start service ({mode})", server.start)
+        try:
+            for model, workload in workloads.items():
+                url = server.url + ROUTES[workload.task]
+                asyncio.run(loadgen.closed_loop(url, workload.texts[:2], 2))  # warm-up
+                closed: dict[str, Any] = {}
+                for level in config.concurrency:
+                    result = _timed(f"service {mode} {model} c{level}", lambda: asyncio.run(
+                        loadgen.closed_loop(url, workload.texts, level, config.duration_s)))
+                    closed[f"c{level}"] = _stats(result)
+                entry = results["tasks"][model].setdefault("service", {}).setdefault(mode, {})
+                entry["closed"] = closed
+                if model not in rates:
+                    best = max(v["sentences_per_s"] for v in closed.values())
+                    rates[model] = config.rate or max(OPEN_LOOP_LOAD * best, 0.1)
+                result = _timed(f"service {mode} {model} open {rates[model]:.2f}/s", lambda: asyncio.run(
+                    loadgen.open_loop(url, workload.texts, rates[model], config.open_duration_s)))
+                entry["open"] = _stats(result, offered_rate=rates[model])
+        finally:
+            peak = server.stop()
+        results["servers"][f"service_{mode}"] = {"peak_rss_mb": round(peak, 1), "models": list(workloads)}
+        for model in workloads:
+            results["tasks"][model]["service"][mode]["peak_rss_mb"] = round(peak, 1)
+
+
+def run_naive(config: BenchConfig, models: dict[str, Path], workloads: dict[str, Workload],
+              results: dict[str, Any]) -> None:
+    """The one-request-at-a-time PyTorch server, one process per model, at concurrency 1."""
+    import sys
+
+    for model, workload in workloads.items():
+        port = free_port()
+        command = [sys.executable, "-m", "bench.naive_server", "--model-dir", str(models[model]),
+                   "--port", str(port), "--threads", str(config.threads)]
+        server = ServerProcess(command, port, config.out_dir / "logs" / f"{config.name}-naive-{model}.log")
+        _timed(f"start naive server ({model})", server.start)
+        try:
+            url = server.url + ROUTES[workload.task]
+            texts = workload.texts[:config.naive_requests]
+            asyncio.run(loadgen.closed_loop(url, texts[:1], 1))  # warm-up
+            result = _timed(f"naive {model} c1", lambda: asyncio.run(
+                loadgen.closed_loop(url, texts, 1, config.duration_s)))
+        finally:
+            peak = server.stop()
+        results["tasks"][model]["naive"] = {"closed": {"c1": _stats(result)}, "peak_rss_mb": round(peak, 1)}
+        results["servers"][f"naive_{model}"] = {"peak_rss_mb": round(peak, 1)}
+
+
+def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path], workloads: dict[str, Workload],
+                                   results: dict[str, Any]) -> None:
+    """ONNX in-process at each batch size; CTranslate2 fp32/int8, greedy/beam 4, and agreement."""
+    from bench import in_process
+
+    for model, workload in workloads.items():
+        task_results = results["tasks"][model]
+        sources = workload.source_ids
+        reference = None
+        if "in_process" in config.systems:
+            runtime = _timed(f"load {model}", lambda: in_process.load_runtime(models[model], config.threads))
+            entry: dict[str, Any] = {"variant": runtime.variant}
+            for size in config.batch_sizes:
+                stats, outputs = _timed(f"in-process {model} b{size}", lambda: in_process.run_batches(
+                    runtime, sources, size))
+                entry[f"b{size}"] = stats.to_dict()
+            task_results["in_process"] = entry
+            if runtime.variant == "fp32":
+                reference = (runtime, outputs)
+        if "ctranslate2" not in config.systems:
+            continue
+        if reference is None:  # agreement is measured against our fp32 greedy
+            fp32 = in_process.load_runtime(models[model], config.threads, variant="fp32")
+            reference = (fp32, in_process.run_batches(fp32, sources, max(config.batch_sizes))[1])
+        task_results["ctranslate2"] = run_ctranslate2(config, models[model], workload, *reference)
+        for key in [k for k in task_results["ctranslate2"] if k.startswith("agreement")]:
+            task_results[key] = task_results["ctranslate2"].pop(key)
+
+
+def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, runtime: Any,
+                    reference: list[Any]) -> dict[str, Any]:
+    """Convert, then time `translate_batch` (max_batch_size 64) and single-sentence calls."""
+    from bench import ctranslate2_converter, ctranslate2_runs
+
+    pieces = [runtime.tokenizer.pieces(ids) for ids in workload.source_ids]
+    ours = [runtime.tokenizer.pieces(r.tokens) for r in reference]
+    limit = runtime.max_target_len
+    entry: dict[str, Any] = {"max_batch_size": ctranslate2_runs.MAX_BATCH_SIZE}
+    with tempfile.TemporaryDirectory(prefix="ct2-") as tmp:
+        ct2_dir = _timed("convert to CTranslate2", lambda: ctranslate2_converter.convert(model_dir, Path(tmp) / "m"))
+        for compute_type, key in (("float32", "fp32"), ("int8", "int8")):
+            translator = ctranslate2_runs.load_translator(ct2_dir, compute_type, config.threads)
+            for beam, beam_key in ((1, "greedy"), (4, "beam4")):
+                stats, outputs = _timed(f"ctranslate2 {key} {beam_key}", lambda: ctranslate2_runs.run_batch(
+                    translator, pieces, beam, limit))
+                entry[f"{key}_{beam_key}_batch"] = stats.to_dict()
+                if beam == 1:
+                    entry[f"agreement_{key}_vs_onnx_fp32"] = ctranslate2_runs.agreement(ours, outputs)
+            if key == "int8":
+                single = pieces[:config.single_sentences]
+                entry["int8_greedy_single"] = _timed("ctranslate2 int8 single", lambda: ctranslate2_runs.run_single(
+                    translator, single, 1, limit)).to_dict()
+    return entry
+
+
+def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
+    """Run every system in `config.systems` on every task; write and return the results."""
+    from model.tokenizer import Tokenizer
+    from bench import workload as workload_module
+
+    counts = {"translate": config.sentences, "summarize": config.summaries}
+    models: dict[str, Path] = {}
+    workloads: dict[str, Workload] = {}
+    for folder, name, task in discover(config.models_dir):
+        if counts.get(task, 0) <= 0:
+            continue
+        from export.manifest import read_manifest
+
+        manifest = read_manifest(folder)
+        tokenizer = Tokenizer.from_file(folder / "tokenizer.model")
+        workloads[name] = workload_module.load(config.data_dir, name, task, tokenizer, manifest.max_source_len,
+                                               counts[task])
+        models[name] = folder
+    if not workloads:
+        raise FileNotFoundError(f"no model repository with a translate/summarize task in {config.models_dir}")
+    results: dict[str, Any] = {
+        "name": config.name, "label": config.label, "command": config.command,
+        "machine": machine.describe(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "servers": {},
+        "tasks": {name: {"task": w.task, "sentences": len(w)} for name, w in workloads.items()},
+    }
+    if "in_process" in config.systems or "ctranslate2" in config.systems:
+        run_in_process_and_ctranslate2(config, models, workloads, results)
+    if "service" in config.systems:
+        run_service(config, workloads, results)
+    if "naive" in config.systems:
+        run_naive(config, models, workloads, results)
+    translation = next((results["tasks"][m] for m, w in workloads.items() if w.task == "translate"), None)
+    if translation is not None:
+        results["targets"] = [t.to_dict() for t in targets.evaluate(translation, max(config.concurrency))]
+    return results, report.write(results, config.out_dir, config.name)
