@@ -55,6 +55,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from bench.harness import BenchConfig, run
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     values = {"sentences": args.sentences, "summaries": args.summaries, "concurrency": args.concurrency,
               "duration_s": args.duration_s, "open_duration_s": args.open_duration_s,
               "batch_sizes": args.batch_sizes, "single_sentences": args.single_sentences,

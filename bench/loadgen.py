@@ -34,15 +34,22 @@ class LoadResult:
         return summarise(self.latencies_s, self.output_tokens, max(self.elapsed_s, 1e-9), self.errors)
 
 
+def _failed(result: LoadResult, message: str) -> None:
+    result.errors += 1
+    if len(result.error_samples) < 5:
+        result.error_samples.append(message[:300])
+
+
 async def _send(client: httpx.AsyncClient, url: str, text: str, started: float, result: LoadResult) -> None:
     try:
         response = await client.post(url, json={"text": text})
         response.raise_for_status()
         tokens = sum(int(o.get("output_tokens", 0)) for o in response.json()["outputs"])
+    except httpx.HTTPStatusError as error:
+        _failed(result, f"HTTP {error.response.status_code}: {error.response.text}")
+        return
     except (httpx.HTTPError, KeyError, ValueError) as error:
-        result.errors += 1
-        if len(result.error_samples) < 5:
-            result.error_samples.append(f"{type(error).__name__}: {error}"[:300])
+        _failed(result, f"{type(error).__name__}: {error}")
         return
     result.latencies_s.append(time.perf_counter() - started)
     result.output_tokens += tokens

@@ -13,12 +13,19 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+
+class Body(BaseModel):
+    """The request body: one text."""
+
+    text: str
+
 
 def create_app(model_dir: Path) -> Any:
     """The FastAPI app; the handler is `async` and blocks, so requests run strictly one by one."""
     import torch
     from fastapi import FastAPI
-    from pydantic import BaseModel
 
     from model.checkpoint import load_model
     from model.decoding import greedy_decode, pad_batch
@@ -28,9 +35,6 @@ def create_app(model_dir: Path) -> Any:
     tokenizer = Tokenizer.from_file(model_dir / "tokenizer.model")
     config = model.config
     app = FastAPI(title="naive PyTorch server")
-
-    class Body(BaseModel):
-        text: str
 
     @app.get("/health/ready")
     async def ready() -> dict[str, str]:

@@ -51,6 +51,11 @@ def markdown(results: dict[str, Any]) -> str:
                 lines.append("")
                 lines.append(f"{key}: {_cell(value * 100 if isinstance(value, float) else value, 1)}%")
         lines.append("")
+    servers = results.get("servers", {})
+    if servers:
+        lines += ["## Peak RSS of each server process", "", "| server | peak RSS MB |", "|---|---|"]
+        lines += [f"| {name} | {_cell(values.get('peak_rss_mb'), 1)} |" for name, values in servers.items()]
+        lines.append("")
     targets = results.get("targets", [])
     if targets:
         lines += ["## Targets", "", "| target | measured ratio | bound | status | note |", "|---|---|---|---|---|"]
@@ -73,7 +78,7 @@ def plot(task_results: dict[str, Any], title: str, path: Path) -> Path:
     service = task_results.get("service", {})
     for mode, style in (("batching_on", "-"), ("batching_off", "--")):
         closed = service.get(mode, {}).get("closed", {})
-        levels = sorted((int(k[1:]), v) for k, v in closed.items())
+        levels = sorted((int(k[1:]), v) for k, v in closed.items() if v.get("latency_p50_s") is not None)
         if not levels:
             continue
         xs = [c for c, _ in levels]
@@ -91,9 +96,13 @@ def plot(task_results: dict[str, Any], title: str, path: Path) -> Path:
     for (name, run), color in zip(baselines.items(), ("C3", "C4", "C5"), strict=True):
         if run:
             throughput.axhline(run["sentences_per_s"], color=color, linestyle=":", label=name)
-    throughput.set(xscale="log", xlabel="concurrent clients", ylabel="sentences/s", title=f"{title}: throughput")
-    latency.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="latency (s)",
+    throughput.set(xlabel="concurrent clients", ylabel="sentences/s", title=f"{title}: throughput")
+    latency.set(xlabel="concurrent clients", ylabel="latency (s)",
                 title=f"{title}: latency percentiles")
+    if latency.lines:  # log axes need positive data
+        for axis in (throughput, latency):
+            axis.set_xscale("log")
+        latency.set_yscale("log")
     for axis in (throughput, latency):
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=7)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from model.tokenizer import Tokenizer
 
-SOURCE_MARGIN = 16  # tokens kept free under max_source_len: re-encoding a cut text may add a few
+SOURCE_MARGIN = 16  # tokens kept free under max_source_len (at most a quarter of it): re-encoding
+# a cut text may add a few
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def load(data_dir: Path, model: str, task: str, tokenizer: Tokenizer, max_source
     path = data_dir / model / "test.src"
     if not path.is_file():
         raise FileNotFoundError(f"no test split for {model}: {path}")
-    limit = max(1, max_source_len - SOURCE_MARGIN)
+    limit = max(1, max_source_len - min(SOURCE_MARGIN, max_source_len // 4))
     texts, ids = [], []
     for line in read_lines(path, count):
         tokens = tokenizer.encode(line)
