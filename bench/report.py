@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ("sentences/s", "target tokens/s", "p50 s", "p95 s", "p99 s", "peak RSS MB", "errors")
+COLUMNS = ("sentences/s", "target tokens/s", "p50 s", "p95 s", "p99 s", "errors")
 
 
 def stats_rows(node: dict[str, Any], path: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -44,7 +44,7 @@ def markdown(results: dict[str, Any]) -> str:
                   "| run | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
         for name, row in stats_rows({k: v for k, v in task_results.items() if isinstance(v, dict)}):
             cells = [row.get("sentences_per_s"), row.get("tokens_per_s"), row.get("latency_p50_s"),
-                     row.get("latency_p95_s"), row.get("latency_p99_s"), row.get("peak_rss_mb"), row.get("errors")]
+                     row.get("latency_p95_s"), row.get("latency_p99_s"), row.get("errors")]
             lines.append(f"| {name} | " + " | ".join(_cell(c) for c in cells) + " |")
         for key, value in task_results.items():
             if key.startswith("agreement"):

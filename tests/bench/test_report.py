@@ -49,7 +49,7 @@ def test_write_json_markdown_and_plot(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["t.json", "t.md", "t-tiny.png"]
     assert json.loads(paths[0].read_text(encoding="utf-8")) == results
     markdown = paths[1].read_text(encoding="utf-8")
-    assert "| service / batching_on / closed / c8 | 30 | 300 | 0.300 | 0.600 | 0.900 | - | 0 |" in markdown
+    assert "| service / batching_on / closed / c8 | 30 | 300 | 0.300 | 0.600 | 0.900 | 0 |" in markdown
     assert "| naive / closed / c1 |" in markdown
     assert "agreement_fp32_vs_onnx_fp32: 90.0%" in markdown
     # service c8 30/s vs CTranslate2 50/s: 0.6, missed; vs naive 2/s: 15x, met
