@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench import loadgen, machine, report, targets
 from bench.servers import ServerProcess, free_port, service_command
 from bench.workload import Workload
@@ -85,6 +87,9 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
                                config.out_dir / "logs" / f"{config.name}-service-{mode}.log",
                                env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
         _timed(f"start service ({mode})", server.start)
+        cards = httpx.get(server.url + "/v1/models", timeout=10).json().get("models", [])
+        results["servers"][f"service_{mode}"] = {
+            "variants": {c.get("name"): f"{c.get('variant')} on {c.get('provider')}" for c in cards}}
         try:
             for model, workload in workloads.items():
                 url = server.url + ROUTES[workload.task]
@@ -104,7 +109,7 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
                 entry["open"] = _stats(result, offered_rate=rates[model])
         finally:
             peak = server.stop()
-        results["servers"][f"service_{mode}"] = {"peak_rss_mb": round(peak, 1), "models": list(workloads)}
+        results["servers"][f"service_{mode}"].update(peak_rss_mb=round(peak, 1), models=list(workloads))
         for model in workloads:
             results["tasks"][model]["service"][mode]["peak_rss_mb"] = round(peak, 1)
 
@@ -134,40 +139,52 @@ def run_naive(config: BenchConfig, models: dict[str, Path], workloads: dict[str,
 
 def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path], workloads: dict[str, Workload],
                                    results: dict[str, Any]) -> None:
-    """ONNX in-process at each batch size; CTranslate2 fp32/int8, greedy/beam 4, and agreement."""
+    """ONNX in-process: the service's default variant at each batch size and length-sorted at the
+    largest, fp32 at the largest (the int8 lever, and the reference CTranslate2 is compared with);
+    then CTranslate2 fp32/int8, greedy/beam 4, and agreement."""
     from bench import in_process
 
+    largest = max(config.batch_sizes)
     for model, workload in workloads.items():
         task_results = results["tasks"][model]
         sources = workload.source_ids
-        reference = None
+        references: dict[str, list[Any]] = {}
+        runtime = _timed(f"load {model}", lambda: in_process.load_runtime(models[model], config.threads))
         if "in_process" in config.systems:
-            runtime = _timed(f"load {model}", lambda: in_process.load_runtime(models[model], config.threads))
             entry: dict[str, Any] = {"variant": runtime.variant}
             for size in config.batch_sizes:
                 stats, outputs = _timed(f"in-process {model} b{size}", lambda: in_process.run_batches(
                     runtime, sources, size))
                 entry[f"b{size}"] = stats.to_dict()
+            stats, _ = _timed(f"in-process {model} b{largest} length-sorted", lambda: in_process.run_batches(
+                runtime, sources, largest, sort_by_length=True))
+            entry[f"b{largest}_length_sorted"] = stats.to_dict()
             task_results["in_process"] = entry
-            if runtime.variant == "fp32":
-                reference = (runtime, outputs)
+            references[f"onnx_{runtime.variant}"] = outputs
+        if runtime.variant != "fp32":
+            fp32 = in_process.load_runtime(models[model], config.threads, variant="fp32")
+            stats, references["onnx_fp32"] = _timed(f"in-process {model} fp32 b{largest}", lambda: (
+                in_process.run_batches(fp32, sources, largest)))
+            task_results["in_process_fp32"] = {"variant": "fp32", f"b{largest}": stats.to_dict()}
+        elif "onnx_fp32" not in references:
+            references["onnx_fp32"] = in_process.run_batches(runtime, sources, largest)[1]
         if "ctranslate2" not in config.systems:
             continue
-        if reference is None:  # agreement is measured against our fp32 greedy
-            fp32 = in_process.load_runtime(models[model], config.threads, variant="fp32")
-            reference = (fp32, in_process.run_batches(fp32, sources, max(config.batch_sizes))[1])
-        task_results["ctranslate2"] = run_ctranslate2(config, models[model], workload, *reference)
+        task_results["ctranslate2"] = run_ctranslate2(config, models[model], workload, runtime, references)
         for key in [k for k in task_results["ctranslate2"] if k.startswith("agreement")]:
             task_results[key] = task_results["ctranslate2"].pop(key)
 
 
 def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, runtime: Any,
-                    reference: list[Any]) -> dict[str, Any]:
-    """Convert, then time `translate_batch` (max_batch_size 64) and single-sentence calls."""
+                    references: dict[str, list[Any]]) -> dict[str, Any]:
+    """Convert, then time `translate_batch` (max_batch_size 64) and single-sentence calls.
+
+    Agreement: CT2 fp32 greedy vs our ONNX fp32 greedy (same weights, same search), and CT2 int8
+    vs our ONNX int8 when the service runs int8 (both quantize, differently)."""
     from bench import ctranslate2_converter, ctranslate2_runs
 
     pieces = [runtime.tokenizer.pieces(ids) for ids in workload.source_ids]
-    ours = [runtime.tokenizer.pieces(r.tokens) for r in reference]
+    ours = {name: [runtime.tokenizer.pieces(r.tokens) for r in outputs] for name, outputs in references.items()}
     limit = runtime.max_target_len
     entry: dict[str, Any] = {"max_batch_size": ctranslate2_runs.MAX_BATCH_SIZE}
     with tempfile.TemporaryDirectory(prefix="ct2-") as tmp:
@@ -179,7 +196,9 @@ def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, ru
                     translator, pieces, beam, limit))
                 entry[f"{key}_{beam_key}_batch"] = stats.to_dict()
                 if beam == 1:
-                    entry[f"agreement_{key}_vs_onnx_fp32"] = ctranslate2_runs.agreement(ours, outputs)
+                    for name in (f"onnx_{key}", "onnx_fp32"):
+                        if name in ours:
+                            entry[f"agreement_{key}_vs_{name}"] = ctranslate2_runs.agreement(ours[name], outputs)
             if key == "int8":
                 single = pieces[:config.single_sentences]
                 entry["int8_greedy_single"] = _timed("ctranslate2 int8 single", lambda: ctranslate2_runs.run_single(

@@ -53,8 +53,10 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("")
     servers = results.get("servers", {})
     if servers:
-        lines += ["## Peak RSS of each server process", "", "| server | peak RSS MB |", "|---|---|"]
-        lines += [f"| {name} | {_cell(values.get('peak_rss_mb'), 1)} |" for name, values in servers.items()]
+        lines += ["## Peak RSS of each server process", "", "| server | peak RSS MB | models |", "|---|---|---|"]
+        for name, values in servers.items():
+            models = ", ".join(f"{m}: {v}" for m, v in values.get("variants", {}).items())
+            lines.append(f"| {name} | {_cell(values.get('peak_rss_mb'), 1)} | {models or '-'} |")
         lines.append("")
     targets = results.get("targets", [])
     if targets:

@@ -38,6 +38,10 @@ def test_bench_runs_every_system(tiny_model_repository: Path, tmp_path: Path) ->
         assert task["service"][mode]["peak_rss_mb"] > 50
     assert task["naive"]["closed"]["c1"]["sentences"] == 3 and task["naive"]["closed"]["c1"]["errors"] == 0
     assert task["in_process"]["b4"]["sentences"] == 6
+    assert task["in_process"]["b4_length_sorted"]["target_tokens"] == task["in_process"]["b4"]["target_tokens"]
+    variant = task["in_process"]["variant"]
+    assert results["servers"]["service_batching_on"]["variants"] == {
+        "tiny-reverse": f"{variant} on CPUExecutionProvider"}
     assert task["ctranslate2"]["int8_greedy_single"]["sentences"] == 3
     assert task["agreement_fp32_vs_onnx_fp32"] == 1.0  # same weights, same greedy tokens
     # every HTTP and in-process path generated the same number of tokens for the same inputs

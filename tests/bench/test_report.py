@@ -55,6 +55,6 @@ def test_write_json_markdown_and_plot(tmp_path: Path) -> None:
     # service c8 30/s vs CTranslate2 50/s: 0.6, missed; vs naive 2/s: 15x, met
     assert "| 0.600 | ≥ 1.00 | missed |" in markdown
     assert "| 15.000 | ≥ 5.00 | met |" in markdown
-    assert "| service_batching_on | 322 |" in markdown
+    assert "| service_batching_on | 322 | - |" in markdown
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert paths[2].stat().st_size > 10_000
