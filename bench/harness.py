@@ -63,10 +63,11 @@ def discover(models_dir: Path) -> list[tuple[Path, str, str]]:
     return found
 
 
-def _timed(label: str, action: Callable[[], Any]) -> Any:
+def _timed(label: str, action: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`action(*args, **kwargs)`, logged with its duration."""
     started = time.perf_counter()
     logger.info("%s ...", label)
-    value = action()
+    value = action(*args, **kwargs)
     logger.info("%s done in %.1fs", label, time.perf_counter() - started)
     return value
 
@@ -96,16 +97,16 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
                 asyncio.run(loadgen.closed_loop(url, workload.texts[:2], 2))  # warm-up
                 closed: dict[str, Any] = {}
                 for level in config.concurrency:
-                    result = _timed(f"service {mode} {model} c{level}", lambda: asyncio.run(
-                        loadgen.closed_loop(url, workload.texts, level, config.duration_s)))
+                    result = _timed(f"service {mode} {model} c{level}", asyncio.run,
+                                    loadgen.closed_loop(url, workload.texts, level, config.duration_s))
                     closed[f"c{level}"] = _stats(result)
                 entry = results["tasks"][model].setdefault("service", {}).setdefault(mode, {})
                 entry["closed"] = closed
                 if model not in rates:
                     best = max(v["sentences_per_s"] for v in closed.values())
                     rates[model] = config.rate or max(OPEN_LOOP_LOAD * best, 0.1)
-                result = _timed(f"service {mode} {model} open {rates[model]:.2f}/s", lambda: asyncio.run(
-                    loadgen.open_loop(url, workload.texts, rates[model], config.open_duration_s)))
+                result = _timed(f"service {mode} {model} open {rates[model]:.2f}/s", asyncio.run,
+                                loadgen.open_loop(url, workload.texts, rates[model], config.open_duration_s))
                 entry["open"] = _stats(result, offered_rate=rates[model])
         finally:
             peak = server.stop()
@@ -129,8 +130,7 @@ def run_naive(config: BenchConfig, models: dict[str, Path], workloads: dict[str,
             url = server.url + ROUTES[workload.task]
             texts = workload.texts[:config.naive_requests]
             asyncio.run(loadgen.closed_loop(url, texts[:1], 1))  # warm-up
-            result = _timed(f"naive {model} c1", lambda: asyncio.run(
-                loadgen.closed_loop(url, texts, 1, config.duration_s)))
+            result = _timed(f"naive {model} c1", asyncio.run, loadgen.closed_loop(url, texts, 1, config.duration_s))
         finally:
             peak = server.stop()
         results["tasks"][model]["naive"] = {"closed": {"c1": _stats(result)}, "peak_rss_mb": round(peak, 1)}
@@ -149,22 +149,22 @@ def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path],
         task_results = results["tasks"][model]
         sources = workload.source_ids
         references: dict[str, list[Any]] = {}
-        runtime = _timed(f"load {model}", lambda: in_process.load_runtime(models[model], config.threads))
+        runtime = _timed(f"load {model}", in_process.load_runtime, models[model], config.threads)
         if "in_process" in config.systems:
             entry: dict[str, Any] = {"variant": runtime.variant}
             for size in config.batch_sizes:
-                stats, outputs = _timed(f"in-process {model} b{size}", lambda: in_process.run_batches(
-                    runtime, sources, size))
+                stats, outputs = _timed(f"in-process {model} b{size}", in_process.run_batches,
+                                        runtime, sources, size)
                 entry[f"b{size}"] = stats.to_dict()
-            stats, _ = _timed(f"in-process {model} b{largest} length-sorted", lambda: in_process.run_batches(
-                runtime, sources, largest, sort_by_length=True))
+            stats, _ = _timed(f"in-process {model} b{largest} length-sorted", in_process.run_batches,
+                              runtime, sources, largest, sort_by_length=True)
             entry[f"b{largest}_length_sorted"] = stats.to_dict()
             task_results["in_process"] = entry
             references[f"onnx_{runtime.variant}"] = outputs
         if runtime.variant != "fp32":
             fp32 = in_process.load_runtime(models[model], config.threads, variant="fp32")
-            stats, references["onnx_fp32"] = _timed(f"in-process {model} fp32 b{largest}", lambda: (
-                in_process.run_batches(fp32, sources, largest)))
+            stats, references["onnx_fp32"] = _timed(f"in-process {model} fp32 b{largest}",
+                                                in_process.run_batches, fp32, sources, largest)
             task_results["in_process_fp32"] = {"variant": "fp32", f"b{largest}": stats.to_dict()}
         elif "onnx_fp32" not in references:
             references["onnx_fp32"] = in_process.run_batches(runtime, sources, largest)[1]
@@ -188,12 +188,12 @@ def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, ru
     limit = runtime.max_target_len
     entry: dict[str, Any] = {"max_batch_size": ctranslate2_runs.MAX_BATCH_SIZE}
     with tempfile.TemporaryDirectory(prefix="ct2-") as tmp:
-        ct2_dir = _timed("convert to CTranslate2", lambda: ctranslate2_converter.convert(model_dir, Path(tmp) / "m"))
+        ct2_dir = _timed("convert to CTranslate2", ctranslate2_converter.convert, model_dir, Path(tmp) / "m")
         for compute_type, key in (("float32", "fp32"), ("int8", "int8")):
             translator = ctranslate2_runs.load_translator(ct2_dir, compute_type, config.threads)
             for beam, beam_key in ((1, "greedy"), (4, "beam4")):
-                stats, outputs = _timed(f"ctranslate2 {key} {beam_key}", lambda: ctranslate2_runs.run_batch(
-                    translator, pieces, beam, limit))
+                stats, outputs = _timed(f"ctranslate2 {key} {beam_key}", ctranslate2_runs.run_batch,
+                                        translator, pieces, beam, limit)
                 entry[f"{key}_{beam_key}_batch"] = stats.to_dict()
                 if beam == 1:
                     for name in (f"onnx_{key}", "onnx_fp32"):
@@ -201,15 +201,15 @@ def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, ru
                             entry[f"agreement_{key}_vs_{name}"] = ctranslate2_runs.agreement(ours[name], outputs)
             if key == "int8":
                 single = pieces[:config.single_sentences]
-                entry["int8_greedy_single"] = _timed("ctranslate2 int8 single", lambda: ctranslate2_runs.run_single(
-                    translator, single, 1, limit)).to_dict()
+                entry["int8_greedy_single"] = _timed("ctranslate2 int8 single", ctranslate2_runs.run_single,
+                                                    translator, single, 1, limit).to_dict()
     return entry
 
 
 def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
     """Run every system in `config.systems` on every task; write and return the results."""
-    from model.tokenizer import Tokenizer
     from bench import workload as workload_module
+    from model.tokenizer import Tokenizer
 
     counts = {"translate": config.sentences, "summarize": config.summaries}
     models: dict[str, Path] = {}

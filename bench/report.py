@@ -37,11 +37,12 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"Command: `{results['command']}`", ""]
     machine = results.get("machine", {})
     if machine:
-        lines += [f"Machine: {machine.get('cpu')}, {machine.get('cpu_count')} cores, load "
-                  f"{machine.get('load_average_1m')} (1 min) at the start", ""]
+        facts = (f"Machine: {machine.get('cpu')}, {machine.get('cpu_count')} cores, load "
+                 f"{machine.get('load_average_1m')} (1 min) at the start")
+        lines += [facts, ""]
     for task, task_results in results.get("tasks", {}).items():
         lines += [f"## {task} ({task_results.get('sentences', '?')} inputs)", "",
-                  "| run | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+                  "| run | " + " | ".join(COLUMNS) + " |", ("|---" * (len(COLUMNS) + 1)) + "|"]
         for name, row in stats_rows({k: v for k, v in task_results.items() if isinstance(v, dict)}):
             cells = [row.get("sentences_per_s"), row.get("tokens_per_s"), row.get("latency_p50_s"),
                      row.get("latency_p95_s"), row.get("latency_p99_s"), row.get("errors")]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -58,7 +59,7 @@ class ServerProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.rss: PeakRss | None = None
 
-    def start(self, timeout_s: float = 300.0) -> ServerProcess:
+    def start(self, timeout_s: float = 300.0) -> Self:
         """Start the process and return once `ready_path` answers 200 (raises if it never does)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
@@ -90,7 +91,7 @@ class ServerProcess:
                 self.process.wait()
         return peak
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
