@@ -45,6 +45,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--naive-requests", type=int, default=200,
                    help="requests sent to the naive PyTorch server per task (default 200)")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads of every engine (0 = defaults)")
+    p.add_argument("--providers", default="CPUExecutionProvider",
+                   help="onnxruntime providers of the service and in-process runs, comma-separated "
+                   "(default CPUExecutionProvider; CTranslate2 and PyTorch run on the CPU)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="what to run")
     p.add_argument("--label", default="", help="a line stored with the results (e.g. 'smoke run')")
     p.add_argument("--quick", action="store_true",
@@ -63,7 +66,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.quick:
         values.update(QUICK)
     config = BenchConfig(models_dir=args.models, data_dir=args.data_dir, out_dir=args.out, name=args.name,
-                         rate=args.rate, threads=args.threads, systems=tuple(args.systems), label=args.label,
+                         rate=args.rate, threads=args.threads,
+                         providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
+                         systems=tuple(args.systems), label=args.label,
                          command=shlex.join(["attnserve", *sys.argv[1:]]), **values)
     results, paths = run(config)
     for target in results.get("targets", []):

@@ -47,6 +47,7 @@ class BenchConfig:
     single_sentences: int = 200  # CTranslate2 one-sentence-per-call latency sample
     naive_requests: int = 200  # the naive server is slow: it answers at most this many per task
     threads: int = 0  # onnxruntime / CTranslate2 / torch intra-op threads (0 = each one's default)
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)  # onnxruntime, for the service and in-process
     systems: tuple[str, ...] = SYSTEMS
     label: str = ""
     command: str = ""
@@ -84,7 +85,8 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
     rates: dict[str, float] = {}
     for mode, batching in (("batching_on", True), ("batching_off", False)):
         port = free_port()
-        server = ServerProcess(service_command(config.models_dir, port, batching, config.threads), port,
+        command = service_command(config.models_dir, port, batching, config.threads, config.providers)
+        server = ServerProcess(command, port,
                                config.out_dir / "logs" / f"{config.name}-service-{mode}.log",
                                env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
         _timed(f"start service ({mode})", server.start)
@@ -149,7 +151,8 @@ def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path],
         task_results = results["tasks"][model]
         sources = workload.source_ids
         references: dict[str, list[Any]] = {}
-        runtime = _timed(f"load {model}", in_process.load_runtime, models[model], config.threads)
+        runtime = _timed(f"load {model}", in_process.load_runtime, models[model], config.threads,
+                         providers=config.providers)
         if "in_process" in config.systems:
             entry: dict[str, Any] = {"variant": runtime.variant}
             for size in config.batch_sizes:
@@ -162,7 +165,8 @@ def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path],
             task_results["in_process"] = entry
             references[f"onnx_{runtime.variant}"] = outputs
         if runtime.variant != "fp32":
-            fp32 = in_process.load_runtime(models[model], config.threads, variant="fp32")
+            fp32 = in_process.load_runtime(models[model], config.threads, variant="fp32",
+                                           providers=config.providers)
             stats, references["onnx_fp32"] = _timed(f"in-process {model} fp32 b{largest}",
                                                 in_process.run_batches, fp32, sources, largest)
             task_results["in_process_fp32"] = {"variant": "fp32", f"b{largest}": stats.to_dict()}
@@ -233,12 +237,19 @@ def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
         "servers": {},
         "tasks": {name: {"task": w.task, "sentences": len(w)} for name, w in workloads.items()},
     }
-    if "in_process" in config.systems or "ctranslate2" in config.systems:
-        run_in_process_and_ctranslate2(config, models, workloads, results)
-    if "service" in config.systems:
-        run_service(config, workloads, results)
-    if "naive" in config.systems:
-        run_naive(config, models, workloads, results)
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("in_process+ctranslate2", lambda: run_in_process_and_ctranslate2(config, models, workloads, results)),
+        ("service", lambda: run_service(config, workloads, results)),
+        ("naive", lambda: run_naive(config, models, workloads, results)),
+    ]
+    for step, action in steps:
+        if not set(step.split("+")) & set(config.systems):
+            continue
+        try:  # one system failing must not lose the others' results
+            action()
+        except Exception as error:  # recorded in the results and logged
+            logger.exception("%s failed", step)
+            results.setdefault("failures", {})[step] = f"{type(error).__name__}: {error}"
     translation = next((results["tasks"][m] for m, w in workloads.items() if w.task == "translate"), None)
     if translation is not None:
         results["targets"] = [t.to_dict() for t in targets.evaluate(translation, max(config.concurrency))]

@@ -52,6 +52,9 @@ def markdown(results: dict[str, Any]) -> str:
                 lines.append("")
                 lines.append(f"{key}: {_cell(value * 100 if isinstance(value, float) else value, 1)}%")
         lines.append("")
+    failures = results.get("failures", {})
+    if failures:
+        lines += ["## Failed steps", ""] + [f"- {step}: {error}" for step, error in failures.items()] + [""]
     servers = results.get("servers", {})
     if servers:
         lines += ["## Peak RSS of each server process", "", "| server | peak RSS MB | models |", "|---|---|---|"]
@@ -108,7 +111,8 @@ def plot(task_results: dict[str, Any], title: str, path: Path) -> Path:
         latency.set_yscale("log")
     for axis in (throughput, latency):
         axis.grid(True, which="both", alpha=0.3)
-        axis.legend(fontsize=7)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
@@ -34,11 +35,12 @@ def free_port() -> int:
 
 
 def service_command(models_dir: Path, port: int, batching: bool, threads: int = 0,
-                    max_queue_size: int = 2048) -> list[str]:
+                    providers: Sequence[str] = ("CPUExecutionProvider",), max_queue_size: int = 2048) -> list[str]:
     """The `attnserve serve` command line; batching off = one row per batch, no wait."""
     command = [sys.executable, "-m", "service.cli", "--log-level", "WARNING", "serve",
                "--models", str(models_dir), "--host", HOST, "--port", str(port),
-               "--threads", str(threads), "--max-queue-size", str(max_queue_size)]
+               "--providers", ",".join(providers), "--threads", str(threads),
+               "--max-queue-size", str(max_queue_size)]
     if not batching:
         command += ["--max-batch-size", str(BATCHING_OFF["max_batch_size"]),
                     "--max-wait-ms", str(BATCHING_OFF["max_wait_ms"])]

@@ -51,3 +51,27 @@ def test_bench_runs_every_system(tiny_model_repository: Path, tmp_path: Path) ->
     assert {t["name"] for t in results["targets"]} >= {"vs_ctranslate2_int8", "server_rss"}
     assert "## tiny-reverse (6 inputs)" in (out / "tiny.md").read_text(encoding="utf-8")
     assert (out / "tiny-tiny-reverse.png").stat().st_size > 10_000
+
+
+def test_a_failing_system_keeps_the_others(tiny_model_repository: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import harness
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_model_repository, models / "tiny-reverse")
+    (tmp_path / "data" / "tiny-reverse").mkdir(parents=True)
+    shutil.copy(tiny_model_repository.parent / "data" / "test.src", tmp_path / "data" / "tiny-reverse" / "test.src")
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("port in use")
+
+    monkeypatch.setattr(harness, "run_service", broken)
+    config = harness.BenchConfig(models_dir=models, data_dir=tmp_path / "data", out_dir=tmp_path / "out",
+                                 name="partial", sentences=4, batch_sizes=[2], threads=1,
+                                 systems=("service", "in_process"))
+    results, paths = harness.run(config)
+    assert results["failures"] == {"service": "RuntimeError: port in use"}
+    assert results["tasks"]["tiny-reverse"]["in_process"]["b2"]["sentences"] == 4
+    assert "ctranslate2" not in results["tasks"]["tiny-reverse"]
+    assert "- service: RuntimeError: port in use" in (tmp_path / "out" / "partial.md").read_text(encoding="utf-8")
+    assert {t["status"] for t in results["targets"]} == {"not measured"}

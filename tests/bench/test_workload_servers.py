@@ -42,6 +42,7 @@ def test_service_command_batching_off() -> None:
     assert "--max-batch-size" not in on
     assert off[off.index("--max-batch-size") + 1] == "1" and off[off.index("--max-wait-ms") + 1] == "0"
     assert on[on.index("--port") + 1] == "8123"
+    assert on[on.index("--providers") + 1] == "CPUExecutionProvider"
 
 
 def test_peak_rss_counts_children() -> None:
