@@ -73,5 +73,6 @@ def test_a_failing_system_keeps_the_others(tiny_model_repository: Path, tmp_path
     assert results["failures"] == {"service": "RuntimeError: port in use"}
     assert results["tasks"]["tiny-reverse"]["in_process"]["b2"]["sentences"] == 4
     assert "ctranslate2" not in results["tasks"]["tiny-reverse"]
-    assert "- service: RuntimeError: port in use" in (tmp_path / "out" / "partial.md").read_text(encoding="utf-8")
+    assert paths[1] == tmp_path / "out" / "partial.md"
+    assert "- service: RuntimeError: port in use" in paths[1].read_text(encoding="utf-8")
     assert {t["status"] for t in results["targets"]} == {"not measured"}
