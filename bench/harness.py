@@ -90,10 +90,10 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
                                config.out_dir / "logs" / f"{config.name}-service-{mode}.log",
                                env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
         _timed(f"start service ({mode})", server.start)
-        cards = httpx.get(server.url + "/v1/models", timeout=10).json().get("models", [])
-        results["servers"][f"service_{mode}"] = {
-            "variants": {c.get("name"): f"{c.get('variant')} on {c.get('provider')}" for c in cards}}
         try:
+            cards = httpx.get(server.url + "/v1/models", timeout=10).json().get("models", [])
+            results["servers"][f"service_{mode}"] = {
+                "variants": {c.get("name"): f"{c.get('variant')} on {c.get('provider')}" for c in cards}}
             for model, workload in workloads.items():
                 url = server.url + ROUTES[workload.task]
                 asyncio.run(loadgen.closed_loop(url, workload.texts[:2], 2))  # warm-up
