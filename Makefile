@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test test-slow venv-serve venv-dev
+.PHONY: serve test test-slow bench venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ venv-serve: $(BIN)/python
 venv-dev: $(BIN)/python
 	$(BIN)/pip install -q -e '.[serve,train,dev]'
 
+# Benchmarks: the service, in-process ONNX, naive PyTorch and CTranslate2 (needs data/ prepared).
+venv-bench: $(BIN)/python
+	$(BIN)/pip install -q -e '.[serve,train,bench]'
+
 serve: venv-serve
 	$(BIN)/attnserve serve --host 0.0.0.0 --port $(PORT) --models models
 
@@ -26,3 +30,7 @@ test: venv-dev
 
 test-slow: venv-dev
 	$(BIN)/python -m pytest -m "slow" -q
+
+bench: venv-bench
+	$(BIN)/attnserve bench --models models --data-dir data --out bench/results/cpu \
+		--sentences 1000 --summaries 300 --concurrency 1 8 32 64 --duration-s 120

@@ -1,0 +1,256 @@
+"""One invocation, every system: service over HTTP (batching on/off, closed and open loop), the
+ONNX models in-process, the naive PyTorch server, and CTranslate2 on the same weights.
+
+Each task's model folder under `--models` is benchmarked on the first N inputs of
+`<data-dir>/<model>/test.src`; the results land in `<out>/<name>.json|.md|-<task>.png`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import loadgen, machine, report, targets
+from bench.servers import ServerProcess, free_port, service_command
+from bench.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+ROUTES = {"translate": "/v1/translate", "summarize": "/v1/summarize"}
+OPEN_LOOP_LOAD = 0.7  # offered rate as a fraction of the best measured throughput
+SYSTEMS = ("service", "in_process", "naive", "ctranslate2")
+
+
+@dataclass
+class BenchConfig:
+    """Everything `attnserve bench` takes."""
+
+    models_dir: Path = Path("models")
+    data_dir: Path = Path("data")
+    out_dir: Path = Path("bench/results/cpu")
+    name: str = "bench"
+    sentences: int = 1000  # translation inputs
+    summaries: int = 300  # summarization inputs
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    duration_s: float = 120.0  # cap on each closed-loop run and each baseline pass
+    rate: float | None = None  # open-loop requests/s; None = 70% of the best closed-loop throughput
+    open_duration_s: float = 30.0
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    single_sentences: int = 200  # CTranslate2 one-sentence-per-call latency sample
+    naive_requests: int = 200  # the naive server is slow: it answers at most this many per task
+    threads: int = 0  # onnxruntime / CTranslate2 / torch intra-op threads (0 = each one's default)
+    providers: tuple[str, ...] = ("CPUExecutionProvider",)  # onnxruntime, for the service and in-process
+    systems: tuple[str, ...] = SYSTEMS
+    label: str = ""
+    command: str = ""
+
+
+def discover(models_dir: Path) -> list[tuple[Path, str, str]]:
+    """(folder, model name, task) of every model repository folder under `models_dir`."""
+    from export.manifest import read_manifest
+
+    found = []
+    for manifest in sorted(models_dir.glob("*/manifest.json")):
+        parsed = read_manifest(manifest.parent)
+        found.append((manifest.parent, parsed.name, parsed.task))
+    return found
+
+
+def _timed(label: str, action: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`action(*args, **kwargs)`, logged with its duration."""
+    started = time.perf_counter()
+    logger.info("%s ...", label)
+    value = action(*args, **kwargs)
+    logger.info("%s done in %.1fs", label, time.perf_counter() - started)
+    return value
+
+
+def _stats(result: loadgen.LoadResult, **extra: Any) -> dict[str, Any]:
+    values = result.stats().to_dict()
+    if result.error_samples:
+        values["error_samples"] = result.error_samples
+    return {**values, **extra}
+
+
+def run_service(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any]) -> None:
+    """`attnserve serve` with batching on, then off: closed loop at each concurrency, then open loop."""
+    rates: dict[str, float] = {}
+    for mode, batching in (("batching_on", True), ("batching_off", False)):
+        port = free_port()
+        command = service_command(config.models_dir, port, batching, config.threads, config.providers)
+        server = ServerProcess(command, port,
+                               config.out_dir / "logs" / f"{config.name}-service-{mode}.log",
+                               env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
+        _timed(f"start service ({mode})", server.start)
+        try:
+            cards = httpx.get(server.url + "/v1/models", timeout=10).json().get("models", [])
+            results["servers"][f"service_{mode}"] = {
+                "variants": {c.get("name"): f"{c.get('variant')} on {c.get('provider')}" for c in cards}}
+            for model, workload in workloads.items():
+                url = server.url + ROUTES[workload.task]
+                asyncio.run(loadgen.closed_loop(url, workload.texts[:2], 2))  # warm-up
+                closed: dict[str, Any] = {}
+                for level in config.concurrency:
+                    result = _timed(f"service {mode} {model} c{level}", asyncio.run,
+                                    loadgen.closed_loop(url, workload.texts, level, config.duration_s))
+                    closed[f"c{level}"] = _stats(result)
+                entry = results["tasks"][model].setdefault("service", {}).setdefault(mode, {})
+                entry["closed"] = closed
+                if model not in rates:
+                    best = max(v["sentences_per_s"] for v in closed.values())
+                    rates[model] = config.rate or max(OPEN_LOOP_LOAD * best, 0.1)
+                result = _timed(f"service {mode} {model} open {rates[model]:.2f}/s", asyncio.run,
+                                loadgen.open_loop(url, workload.texts, rates[model], config.open_duration_s))
+                entry["open"] = _stats(result, offered_rate=rates[model])
+        finally:
+            peak = server.stop()
+        results["servers"][f"service_{mode}"].update(peak_rss_mb=round(peak, 1), models=list(workloads))
+        for model in workloads:
+            results["tasks"][model]["service"][mode]["peak_rss_mb"] = round(peak, 1)
+
+
+def run_naive(config: BenchConfig, models: dict[str, Path], workloads: dict[str, Workload],
+              results: dict[str, Any]) -> None:
+    """The one-request-at-a-time PyTorch server, one process per model, at concurrency 1."""
+    import sys
+
+    for model, workload in workloads.items():
+        port = free_port()
+        command = [sys.executable, "-m", "bench.naive_server", "--model-dir", str(models[model]),
+                   "--port", str(port), "--threads", str(config.threads)]
+        server = ServerProcess(command, port, config.out_dir / "logs" / f"{config.name}-naive-{model}.log")
+        _timed(f"start naive server ({model})", server.start)
+        try:
+            url = server.url + ROUTES[workload.task]
+            texts = workload.texts[:config.naive_requests]
+            asyncio.run(loadgen.closed_loop(url, texts[:1], 1))  # warm-up
+            result = _timed(f"naive {model} c1", asyncio.run, loadgen.closed_loop(url, texts, 1, config.duration_s))
+        finally:
+            peak = server.stop()
+        results["tasks"][model]["naive"] = {"closed": {"c1": _stats(result)}, "peak_rss_mb": round(peak, 1)}
+        results["servers"][f"naive_{model}"] = {"peak_rss_mb": round(peak, 1)}
+
+
+def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path], workloads: dict[str, Workload],
+                                   results: dict[str, Any]) -> None:
+    """ONNX in-process: the service's default variant at each batch size and length-sorted at the
+    largest, fp32 at the largest (the int8 lever, and the reference CTranslate2 is compared with);
+    then CTranslate2 fp32/int8, greedy/beam 4, and agreement."""
+    from bench import in_process
+
+    largest = max(config.batch_sizes)
+    for model, workload in workloads.items():
+        task_results = results["tasks"][model]
+        sources = workload.source_ids
+        references: dict[str, list[Any]] = {}
+        runtime = _timed(f"load {model}", in_process.load_runtime, models[model], config.threads,
+                         providers=config.providers)
+        if "in_process" in config.systems:
+            entry: dict[str, Any] = {"variant": runtime.variant}
+            for size in config.batch_sizes:
+                stats, outputs = _timed(f"in-process {model} b{size}", in_process.run_batches,
+                                        runtime, sources, size)
+                entry[f"b{size}"] = stats.to_dict()
+            stats, _ = _timed(f"in-process {model} b{largest} length-sorted", in_process.run_batches,
+                              runtime, sources, largest, sort_by_length=True)
+            entry[f"b{largest}_length_sorted"] = stats.to_dict()
+            task_results["in_process"] = entry
+            references[f"onnx_{runtime.variant}"] = outputs
+        if runtime.variant != "fp32":
+            fp32 = in_process.load_runtime(models[model], config.threads, variant="fp32",
+                                           providers=config.providers)
+            stats, references["onnx_fp32"] = _timed(f"in-process {model} fp32 b{largest}",
+                                                in_process.run_batches, fp32, sources, largest)
+            task_results["in_process_fp32"] = {"variant": "fp32", f"b{largest}": stats.to_dict()}
+        elif "onnx_fp32" not in references:
+            references["onnx_fp32"] = in_process.run_batches(runtime, sources, largest)[1]
+        if "ctranslate2" not in config.systems:
+            continue
+        task_results["ctranslate2"] = run_ctranslate2(config, models[model], workload, runtime, references)
+        for key in [k for k in task_results["ctranslate2"] if k.startswith("agreement")]:
+            task_results[key] = task_results["ctranslate2"].pop(key)
+
+
+def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, runtime: Any,
+                    references: dict[str, list[Any]]) -> dict[str, Any]:
+    """Convert, then time `translate_batch` (max_batch_size 64) and single-sentence calls.
+
+    Agreement: CT2 fp32 greedy vs our ONNX fp32 greedy (same weights, same search), and CT2 int8
+    vs our ONNX int8 when the service runs int8 (both quantize, differently)."""
+    from bench import ctranslate2_converter, ctranslate2_runs
+
+    pieces = [runtime.tokenizer.pieces(ids) for ids in workload.source_ids]
+    ours = {name: [runtime.tokenizer.pieces(r.tokens) for r in outputs] for name, outputs in references.items()}
+    limit = runtime.max_target_len
+    entry: dict[str, Any] = {"max_batch_size": ctranslate2_runs.MAX_BATCH_SIZE}
+    with tempfile.TemporaryDirectory(prefix="ct2-") as tmp:
+        ct2_dir = _timed("convert to CTranslate2", ctranslate2_converter.convert, model_dir, Path(tmp) / "m")
+        for compute_type, key in (("float32", "fp32"), ("int8", "int8")):
+            translator = ctranslate2_runs.load_translator(ct2_dir, compute_type, config.threads)
+            for beam, beam_key in ((1, "greedy"), (4, "beam4")):
+                stats, outputs = _timed(f"ctranslate2 {key} {beam_key}", ctranslate2_runs.run_batch,
+                                        translator, pieces, beam, limit)
+                entry[f"{key}_{beam_key}_batch"] = stats.to_dict()
+                if beam == 1:
+                    for name in (f"onnx_{key}", "onnx_fp32"):
+                        if name in ours:
+                            entry[f"agreement_{key}_vs_{name}"] = ctranslate2_runs.agreement(ours[name], outputs)
+            if key == "int8":
+                single = pieces[:config.single_sentences]
+                entry["int8_greedy_single"] = _timed("ctranslate2 int8 single", ctranslate2_runs.run_single,
+                                                    translator, single, 1, limit).to_dict()
+    return entry
+
+
+def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
+    """Run every system in `config.systems` on every task; write and return the results."""
+    from bench import workload as workload_module
+    from model.tokenizer import Tokenizer
+
+    counts = {"translate": config.sentences, "summarize": config.summaries}
+    models: dict[str, Path] = {}
+    workloads: dict[str, Workload] = {}
+    for folder, name, task in discover(config.models_dir):
+        if counts.get(task, 0) <= 0:
+            continue
+        from export.manifest import read_manifest
+
+        manifest = read_manifest(folder)
+        tokenizer = Tokenizer.from_file(folder / "tokenizer.model")
+        workloads[name] = workload_module.load(config.data_dir, name, task, tokenizer, manifest.max_source_len,
+                                               counts[task])
+        models[name] = folder
+    if not workloads:
+        raise FileNotFoundError(f"no model repository with a translate/summarize task in {config.models_dir}")
+    results: dict[str, Any] = {
+        "name": config.name, "label": config.label, "command": config.command,
+        "machine": machine.describe(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "servers": {},
+        "tasks": {name: {"task": w.task, "sentences": len(w)} for name, w in workloads.items()},
+    }
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("in_process+ctranslate2", lambda: run_in_process_and_ctranslate2(config, models, workloads, results)),
+        ("service", lambda: run_service(config, workloads, results)),
+        ("naive", lambda: run_naive(config, models, workloads, results)),
+    ]
+    for step, action in steps:
+        if not set(step.split("+")) & set(config.systems):
+            continue
+        try:  # one system failing must not lose the others' results
+            action()
+        except Exception as error:  # recorded in the results and logged
+            logger.exception("%s failed", step)
+            results.setdefault("failures", {})[step] = f"{type(error).__name__}: {error}"
+    translation = next((results["tasks"][m] for m, w in workloads.items() if w.task == "translate"), None)
+    if translation is not None:
+        results["targets"] = [t.to_dict() for t in targets.evaluate(translation, max(config.concurrency))]
+    return results, report.write(results, config.out_dir, config.name)

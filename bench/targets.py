@@ -1,0 +1,75 @@
+"""The issue's targets: each one's ratio from a results dict, and whether it is met."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: `ratio` compared with `bound` (`at_least` or at most); None = not measured."""
+
+    name: str
+    description: str
+    ratio: float | None
+    bound: float
+    at_least: bool
+    note: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.ratio is None:
+            return "not measured"
+        met = self.ratio >= self.bound if self.at_least else self.ratio <= self.bound
+        return "met" if met else "missed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "status": self.status}
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, None when either is missing or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def _get(results: dict[str, Any], *path: str) -> Any:
+    node: Any = results
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def evaluate(results: dict[str, Any], top_concurrency: int, rss_limit_mb: float = 600.0) -> list[Target]:
+    """The five targets of the issue, computed from the harness's results (translation task).
+
+    Paths read: service/batching_on/closed/c<N>, naive/closed/c1, ctranslate2/int8_greedy_batch and
+    int8_greedy_single, service/batching_on/peak_rss_mb, service/continuous (when measured).
+    """
+    service_top = _get(results, "service", "batching_on", "closed", f"c{top_concurrency}", "sentences_per_s")
+    service_c1_p50 = _get(results, "service", "batching_on", "closed", "c1", "latency_p50_s")
+    ct2_batch = _get(results, "ctranslate2", "int8_greedy_batch", "sentences_per_s")
+    ct2_single_p50 = _get(results, "ctranslate2", "int8_greedy_single", "latency_p50_s")
+    naive = _get(results, "naive", "closed", "c1", "sentences_per_s")
+    naive_top = _get(results, "naive", "closed", f"c{top_concurrency}", "sentences_per_s")
+    naive_best = max((v for v in (naive, naive_top) if v is not None), default=None)
+    rss = _get(results, "service", "batching_on", "peak_rss_mb")
+    dynamic_p95 = _get(results, "service", "batching_on", "open", "latency_p95_s")
+    continuous_p95 = _get(results, "service", "continuous", "open", "latency_p95_s")
+    continuous = ratio(continuous_p95, dynamic_p95)
+    return [
+        Target("vs_ctranslate2_int8", f"service at concurrency {top_concurrency} / CTranslate2 int8 "
+               "translate_batch, sentences/s", ratio(service_top, ct2_batch), 1.0, True),
+        Target("vs_naive_pytorch", f"service at concurrency {top_concurrency} / naive PyTorch server "
+               "(best of its runs), sentences/s", ratio(service_top, naive_best), 5.0, True),
+        Target("latency_c1_vs_ctranslate2", "service p50 at concurrency 1 / CTranslate2 int8 single-sentence "
+               "p50", ratio(service_c1_p50, ct2_single_p50), 1.5, False),
+        Target("continuous_p95", "p95 at 70% offered load, continuous / dynamic batching", continuous, 0.7,
+               False, "" if continuous is not None else "continuous batching not in this build"),
+        Target("server_rss", f"server peak RSS with both models / {rss_limit_mb:.0f} MB",
+               ratio(rss, rss_limit_mb), 1.0, False),
+    ]

@@ -1,0 +1,78 @@
+"""`attnserve bench` end to end on the tiny repository: every system, every results file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ctranslate2")
+pytest.importorskip("matplotlib")
+
+
+def test_bench_runs_every_system(tiny_model_repository: Path, tmp_path: Path) -> None:
+    from service.cli import main
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_model_repository, models / "tiny-reverse")
+    data = tmp_path / "data" / "tiny-reverse"
+    data.mkdir(parents=True)
+    shutil.copy(tiny_model_repository.parent / "data" / "test.src", data / "test.src")
+    out = tmp_path / "results"
+    status = main(["--log-level", "WARNING", "bench", "--models", str(models), "--data-dir", str(tmp_path / "data"),
+                   "--out", str(out), "--name", "tiny", "--sentences", "6", "--concurrency", "1", "3",
+                   "--duration-s", "60", "--open-duration-s", "1", "--batch-sizes", "1", "4",
+                   "--single-sentences", "3", "--naive-requests", "3", "--threads", "1"])
+    assert status == 0
+    results = json.loads((out / "tiny.json").read_text(encoding="utf-8"))
+    task = results["tasks"]["tiny-reverse"]
+    assert task["sentences"] == 6
+    for mode in ("batching_on", "batching_off"):
+        closed = task["service"][mode]["closed"]
+        assert set(closed) == {"c1", "c3"}
+        assert all(run["sentences"] == 6 and run["errors"] == 0 and run["target_tokens"] > 0
+                   for run in closed.values())
+        assert task["service"][mode]["open"]["offered_rate"] > 0
+        assert task["service"][mode]["peak_rss_mb"] > 50
+    assert task["naive"]["closed"]["c1"]["sentences"] == 3 and task["naive"]["closed"]["c1"]["errors"] == 0
+    assert task["in_process"]["b4"]["sentences"] == 6
+    assert task["in_process"]["b4_length_sorted"]["target_tokens"] == task["in_process"]["b4"]["target_tokens"]
+    variant = task["in_process"]["variant"]
+    assert results["servers"]["service_batching_on"]["variants"] == {
+        "tiny-reverse": f"{variant} on CPUExecutionProvider"}
+    assert task["ctranslate2"]["int8_greedy_single"]["sentences"] == 3
+    assert task["agreement_fp32_vs_onnx_fp32"] == 1.0  # same weights, same greedy tokens
+    # every HTTP and in-process path generated the same number of tokens for the same inputs
+    tokens = {task["in_process"]["b1"]["target_tokens"], task["service"]["batching_on"]["closed"]["c1"]["target_tokens"],
+              task["ctranslate2"]["fp32_greedy_batch"]["target_tokens"]}
+    assert len(tokens) == 1
+    assert {t["name"] for t in results["targets"]} >= {"vs_ctranslate2_int8", "server_rss"}
+    assert "## tiny-reverse (6 inputs)" in (out / "tiny.md").read_text(encoding="utf-8")
+    assert (out / "tiny-tiny-reverse.png").stat().st_size > 10_000
+
+
+def test_a_failing_system_keeps_the_others(tiny_model_repository: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import harness
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_model_repository, models / "tiny-reverse")
+    (tmp_path / "data" / "tiny-reverse").mkdir(parents=True)
+    shutil.copy(tiny_model_repository.parent / "data" / "test.src", tmp_path / "data" / "tiny-reverse" / "test.src")
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("port in use")
+
+    monkeypatch.setattr(harness, "run_service", broken)
+    config = harness.BenchConfig(models_dir=models, data_dir=tmp_path / "data", out_dir=tmp_path / "out",
+                                 name="partial", sentences=4, batch_sizes=[2], threads=1,
+                                 systems=("service", "in_process"))
+    results, paths = harness.run(config)
+    assert results["failures"] == {"service": "RuntimeError: port in use"}
+    assert results["tasks"]["tiny-reverse"]["in_process"]["b2"]["sentences"] == 4
+    assert "ctranslate2" not in results["tasks"]["tiny-reverse"]
+    assert paths[1] == tmp_path / "out" / "partial.md"
+    assert "- service: RuntimeError: port in use" in paths[1].read_text(encoding="utf-8")
+    assert {t["status"] for t in results["targets"]} == {"not measured"}

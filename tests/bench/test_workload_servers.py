@@ -1,0 +1,72 @@
+"""The fixed workload, free ports, the service command line and RSS sampling."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import workload
+from bench.loadgen import arrival_times
+from bench.rss import PeakRss, tree_rss_bytes
+from bench.servers import free_port, service_command
+
+
+def test_workload_cuts_to_the_source_limit(tmp_path: Path, tiny_repository_tokenizer) -> None:
+    (tmp_path / "m").mkdir()
+    lines = ["abc de", "", "a b c d e f g h i j k l m n o a b c d e f g h i j k l m n o", "fg"]
+    (tmp_path / "m" / "test.src").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    loaded = workload.load(tmp_path, "m", "translate", tiny_repository_tokenizer, max_source_len=24, count=2)
+    assert len(loaded) == 2  # the empty line is skipped
+    assert loaded.texts[0] == "abc de"
+    assert loaded.source_ids[0] == tiny_repository_tokenizer.encode("abc de") + [tiny_repository_tokenizer.eos_id]
+    assert all(ids[-1] == tiny_repository_tokenizer.eos_id for ids in loaded.source_ids)
+    assert len(loaded.source_ids[1]) <= 24 - 6 + 1  # the margin: a quarter of 24
+    with pytest.raises(FileNotFoundError, match="no test split"):
+        workload.load(tmp_path, "other", "translate", tiny_repository_tokenizer, 24, 2)
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_service_command_batching_off() -> None:
+    on = service_command(Path("models"), 8123, batching=True)
+    off = service_command(Path("models"), 8123, batching=False)
+    assert "--max-batch-size" not in on
+    assert off[off.index("--max-batch-size") + 1] == "1" and off[off.index("--max-wait-ms") + 1] == "0"
+    assert on[on.index("--port") + 1] == "8123"
+    assert on[on.index("--providers") + 1] == "CPUExecutionProvider"
+
+
+def test_peak_rss_counts_children() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(64 * 2**20); import time; time.sleep(30)"])
+    try:
+        sampler = PeakRss(os.getpid(), interval_s=0.05).start()
+        for _ in range(100):
+            if tree_rss_bytes(child.pid) > 64 * 2**20:
+                break
+            import time
+
+            time.sleep(0.05)
+        peak = sampler.stop()
+        assert peak >= tree_rss_bytes(child.pid) > 64 * 2**20
+    finally:
+        child.kill()
+        child.wait()
+    assert tree_rss_bytes(child.pid) == 0
+
+
+def test_arrival_times_are_poisson_at_the_rate() -> None:
+    offsets = arrival_times(rate=50.0, count=2000, seed=1)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert 2000 / offsets[-1] == pytest.approx(50.0, rel=0.1)
+    assert arrival_times(50.0, 10, seed=1) == offsets[:10]
+    with pytest.raises(ValueError):
+        arrival_times(0.0, 3)
