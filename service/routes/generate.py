@@ -2,7 +2,8 @@
 
 The stages of one request: schema validation (FastAPI), the configured limits, tokenization
 with the model's limits, admission into the model's batcher (429 when full), waiting for the
-batch under the request's deadline (504), detokenization. With `return_attention`, one more
+batch under the request's deadline (504; `service.deadline`) while watching for the client to
+go away (`service.disconnect`), detokenization. With `return_attention`, one more
 teacher-forced pass over the outputs, in the model's worker thread, gives their cross-attention
 (`service.attention.alignments`; exact for greedy and beam search alike).
 """
@@ -17,6 +18,8 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 
 from service import attention, metrics
+from service.deadline import request_deadline
+from service.disconnect import unless_disconnected
 from service.errors import DeadlineExceeded, InvalidInput
 from service.registry import ModelEntry, ModelRegistry, Runtime
 from service.routes.deps import RegistryDep, SettingsDep
@@ -28,7 +31,7 @@ T = TypeVar("T")
 router = APIRouter(tags=["generate"])
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (404, 413, 422, 429, 500, 503, 504)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 413, 415, 422, 429, 500, 503, 504)
 }
 
 
@@ -67,15 +70,18 @@ async def _generate(
     maps_runtime = attention_runtime(runtime) if body.return_attention else None
     sources = _encode(runtime, texts, where, settings)
     max_new_tokens = _max_new_tokens(body.max_new_tokens, runtime, settings)
+    deadline = request_deadline(request, body.timeout_ms, settings, started)
+    submitted = entry.batcher.submit(sources, body.beam_size, max_new_tokens, deadline.at)
     results = await within_deadline(
-        entry.batcher.submit(sources, body.beam_size, max_new_tokens), entry, started, settings
+        unless_disconnected(request, submitted, entry.name), entry, started, settings,
+        budget_s=deadline.budget_s,
     )
     extras: list[dict[str, Any]] = [{} for _ in results]
     if maps_runtime is not None:
         generated = [(list(r.tokens), r.finish_reason == "eos") for r in results]
         maps = await within_deadline(
             entry.batcher.run(attention.alignments, maps_runtime, sources, generated),
-            entry, started, settings,
+            entry, started, settings, budget_s=deadline.budget_s,
         )
         for i, extra in enumerate(extras):
             source_tokens, target_tokens = _alignment_labels(runtime, texts[i], *generated[i])
@@ -106,17 +112,18 @@ def attention_runtime(runtime: Any) -> attention.AttentionRuntime:
 
 
 async def within_deadline(
-    work: Awaitable[T], entry: ModelEntry, started: float, settings: Settings
+    work: Awaitable[T], entry: ModelEntry, started: float, settings: Settings,
+    budget_s: float | None = None,
 ) -> T:
-    """`await work`, or `DeadlineExceeded` (504) once the request is `request_timeout_s` old."""
-    remaining = settings.request_timeout_s - (time.perf_counter() - started)
+    """`await work`, or `DeadlineExceeded` (504) once the request is `budget_s` old
+    (default `request_timeout_s`), whether it was still queued or running."""
+    budget_s = settings.request_timeout_s if budget_s is None else budget_s
+    remaining = budget_s - (time.perf_counter() - started)
     try:
         return await asyncio.wait_for(work, remaining)
-    except TimeoutError:
+    except (TimeoutError, DeadlineExceeded):
         metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()
-        raise DeadlineExceeded(
-            f"no result within the deadline of {settings.request_timeout_s:g}s"
-        ) from None
+        raise DeadlineExceeded(f"no result within the deadline of {budget_s:g}s") from None
 
 
 def _alignment_labels(
