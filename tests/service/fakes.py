@@ -59,12 +59,14 @@ class FakeModel:
 
     delay_s: float = 0.0
     batches: list[list[int]] = field(default_factory=list)  # source lengths of each batch
+    seen: list[str] = field(default_factory=list)  # every source run, decoded
     threads: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def generate(self, sources: list[list[int]], beam_size: int, max_new_tokens: int) -> list[Result]:
         with self.lock:
             self.batches.append([len(s) for s in sources])
+            self.seen.extend(CharTokenizer().decode(s[:-1]) for s in sources)
             self.threads.add(threading.current_thread().name)
         if self.delay_s:
             time.sleep(self.delay_s)
