@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test test-slow venv-serve venv-dev
+.PHONY: serve test test-slow soak venv-serve venv-dev
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,3 +26,8 @@ test: venv-dev
 
 test-slow: venv-dev
 	$(BIN)/python -m pytest -m "slow" -q
+
+# Reliability under load (RELIABILITY.md): 60 s at 3x capacity, a killed worker, a 10-minute
+# soak. Shorter: make soak ATTNSERVE_OVERLOAD_S=20 ATTNSERVE_SOAK_S=120
+soak: venv-dev
+	ATTNSERVE_RELIABILITY_OUT=bench/results/reliability $(BIN)/python -m pytest -m soak -q -s

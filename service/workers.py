@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from service.settings import Settings
 
 ENV_PREFIX = "ATTNSERVE_"
+LOG_LEVEL_VARIABLE = "ATTNSERVE_LOG_LEVEL"  # the parent's `--log-level`, for the workers
 
 
 def settings_environment(settings: Settings) -> dict[str, str]:
@@ -45,7 +46,7 @@ def app_from_environment() -> FastAPI:
     from service.app import create_app
 
     if not logging.getLogger().handlers:  # a spawned worker: logging as `attnserve` sets it
-        logging.basicConfig(level=logging.INFO,
+        logging.basicConfig(level=os.environ.get(LOG_LEVEL_VARIABLE, "INFO").upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return create_app(Settings())
 
@@ -55,6 +56,7 @@ def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) ->
     import uvicorn
 
     os.environ.update(environ if environ is not None else settings_environment(settings))
+    os.environ[LOG_LEVEL_VARIABLE] = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     options: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
