@@ -8,10 +8,10 @@ middlewares sit around the routes: one records `requests_total` and
 `path` is the template whichever way FastAPI includes routers.
 
 Security and operations: the inference routes take JSON only (415) and need the bearer token
-when `api_key` is set (`service.auth`); CORS is closed unless `cors_origins` lists origins; with `metrics_port` the
-metrics are served on their own port (`service.metrics_server`) and not on this app; with
-`fail_on_model_error` a model that fails to load makes the startup fail (the process exits)
-instead of leaving the server live and not ready.
+when `api_key` is set (`service.auth`); CORS is closed unless `cors_origins` lists origins;
+with `metrics_port` the metrics are served on their own port (`service.metrics_server`) and
+not on this app; with `fail_on_model_error` a model that fails to load makes the startup fail
+(the process exits) instead of leaving the server live and not ready.
 """
 
 from __future__ import annotations

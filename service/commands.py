@@ -65,7 +65,7 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--cors-origins",
                    help="origins allowed by CORS, comma-separated (default: none, closed)")
     p.add_argument("--fail-on-model-error", action="store_const", const=True,
-                   help="exit with status 1 when a model fails to load, instead of staying "
+                   help="exit (non-zero status) when a model fails to load, instead of staying "
                    "live and not ready")
     p.set_defaults(func=_serve)
 

@@ -5,7 +5,8 @@ from the manifest at once, so requests for a loading or failed model get a 503. 
 background thread loads them one by one (hash check and sessions in the runtime's `load`,
 then a warm-up inference); each model that loads gets its batcher on the event loop and turns
 ready. A model that fails stays listed as failed with its error: the server is live but
-never ready (or, with `fail_on_model_error`, the app refuses to start: `wait_settled`). The server is ready when every model is, and not while draining for shutdown.
+never ready (or, with `fail_on_model_error`, the app refuses to start: `wait_settled`). The
+server is ready when every model is, and not while draining for shutdown.
 """
 
 from __future__ import annotations

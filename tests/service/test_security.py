@@ -155,3 +155,18 @@ async def test_fail_on_model_error_refuses_an_empty_repository(
     with pytest.raises(ModelLoadFailed, match="no models"):
         async with app.router.lifespan_context(app):
             pass
+
+
+def test_serve_with_fail_on_model_error_exits_non_zero(tmp_path: Any) -> None:
+    import subprocess
+
+    from tests.service.test_serve import free_port, serve_command
+
+    (tmp_path / "models").mkdir()
+    finished = subprocess.run(
+        [*serve_command(), "serve", "--port", str(free_port()), "--models",
+         str(tmp_path / "models"), "--fail-on-model-error"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert finished.returncode != 0
+    assert "refusing to start (fail_on_model_error): no models found" in finished.stderr
