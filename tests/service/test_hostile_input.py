@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.service.conftest import AppFactory, serving
-from tests.service.fakes import FakeLoader, FakeModel, write_models
+from tests.service.fakes import FakeLoader, reverse, write_models
 
 pytestmark = pytest.mark.anyio
 
@@ -130,9 +130,12 @@ def fuzzed_app(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     models = write_models(tmp_path_factory.mktemp("fuzz") / "models",
                           {"translate-en-it": "translate", "summarize-en": "summarize"})
-    model = FakeModel()
+    def generate(sources: list[list[int]], beam_size: int, max_new_tokens: int) -> list[Any]:
+        # The fake model without its fault injection (it fails on unknown characters).
+        return [reverse(source, max_new_tokens) for source in sources]
+
     app = create_app(Settings(models_dir=Path(models)), loader=FakeLoader(),
-                     generator=lambda runtime: model.generate)
+                     generator=lambda runtime: generate)
     with asgi.get_client(app) as client:  # starts the lifespan, kept for the module
         for _ in range(600):
             if client.get("/health/ready").status_code == 200:
@@ -143,9 +146,18 @@ def fuzzed_app(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return app
 
 
+def no_server_error_but_deadlines(ctx: Any, response: Any, case: Any) -> None:
+    """No 5xx, except the 504 a fuzzed `timeout_ms` of a millisecond earns by design."""
+    if response.status_code < 500:
+        return
+    body = response.json()
+    assert response.status_code == 504 and body["error_type"] == "deadline_exceeded", (
+        f"{response.status_code}: {body}"
+    )
+
+
 def test_fuzzed_requests_never_get_a_5xx_or_break_the_schema(fuzzed_app: Any) -> None:
     from hypothesis import given
-    from schemathesis.checks import not_a_server_error
     from schemathesis.specs.openapi.checks import (
         response_schema_conformance,
         status_code_conformance,
@@ -154,11 +166,12 @@ def test_fuzzed_requests_never_get_a_5xx_or_break_the_schema(fuzzed_app: Any) ->
     api = schemathesis.openapi.from_asgi("/openapi.json", fuzzed_app)
     operations = [result.ok() for result in api.get_all_operations()]
     assert len(operations) >= 7  # translate, summarize, attention, models, health x2, metrics
-    checks = [not_a_server_error, response_schema_conformance, status_code_conformance]
+    checks = [no_server_error_but_deadlines, response_schema_conformance,
+              status_code_conformance]
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
         def call(case: Any) -> None:
             case.call_and_validate(checks=checks)
