@@ -1,12 +1,14 @@
 """Overload, deadlines, client disconnects and failing batches, over the fake models.
 
-The fake model sleeps `delay_s` per batch in the worker thread, so a first request can hold
-the worker while the test fills the queue behind it.
+A gated fake model holds its batch in the worker thread until the test opens the gate, so a
+first request can hold the worker while the test fills the queue behind it, however slow the
+machine is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -29,7 +31,9 @@ def rejected(reason: str) -> float:
 
 
 async def hold_the_worker(client: Any, fake_model: FakeModel, text: str = "blocker") -> Any:
-    """Start a request and return once its batch runs in the worker (the queue is empty)."""
+    """Close the model's gate, start a request and return once its batch runs in the worker
+    (the queue is empty); the test opens `fake_model.gate` to let it finish."""
+    fake_model.gate = threading.Event()
     running = asyncio.ensure_future(client.post("/v1/translate", json={"text": text}))
     for _ in range(500):
         if text in fake_model.seen:
@@ -48,16 +52,20 @@ async def timed_post(client: Any, body: dict[str, Any], **kwargs: Any) -> tuple[
 async def test_k_extra_requests_get_429_fast_and_the_accepted_ones_succeed(
     make_app: AppFactory, fake_model: FakeModel, queue_size: int, extra: int
 ) -> None:
-    fake_model.delay_s = 0.3
     app = make_app(max_queue_size=queue_size, max_texts=1, max_batch_size=queue_size,
                    retry_after_s=3)
     async with serving(app) as client:
         running = await hold_the_worker(client, fake_model)
         before = rejected("queue_full")
-        answers = await asyncio.gather(*(
-            timed_post(client, {"text": f"request {chr(97 + i)}"})
-            for i in range(queue_size + extra)
-        ))
+        tasks = [asyncio.ensure_future(timed_post(client, {"text": f"request {chr(97 + i)}"}))
+                 for i in range(queue_size + extra)]
+        for _ in range(1000):  # the refused ones answer while the worker is held
+            if sum(t.done() for t in tasks) >= extra:
+                break
+            await asyncio.sleep(0.005)
+        assert fake_model.gate is not None
+        fake_model.gate.set()
+        answers = await asyncio.gather(*tasks)
         assert (await running).status_code == 200
         counted = rejected("queue_full") - before
     refused = [(r, seconds) for r, seconds in answers if r.status_code == 429]
@@ -75,7 +83,6 @@ async def test_k_extra_requests_get_429_fast_and_the_accepted_ones_succeed(
 async def test_a_request_queued_past_its_deadline_gets_504_and_never_runs(
     make_app: AppFactory, fake_model: FakeModel, how: str
 ) -> None:
-    fake_model.delay_s = 0.4
     body: dict[str, Any] = {"text": "too late"}
     headers = {}
     if how == "header":
@@ -87,10 +94,12 @@ async def test_a_request_queued_past_its_deadline_gets_504_and_never_runs(
         before = rejected("deadline")
         response, seconds = await timed_post(client, body, headers=headers)
         counted = rejected("deadline") - before
+        assert fake_model.gate is not None
+        fake_model.gate.set()
         assert (await running).status_code == 200
         await asyncio.sleep(0.05)  # the batcher's loop moved on past the expired row
     assert_error(response, 504, "deadline_exceeded")
-    assert 0.09 < seconds < 0.35
+    assert 0.09 < seconds < 1.0  # at its deadline, not when the worker frees up
     assert counted == 1
     assert "too late" not in fake_model.seen
 
@@ -138,7 +147,6 @@ async def test_the_header_cannot_exceed_the_configured_deadline(
 async def test_a_queued_request_whose_client_left_is_dropped_and_counted(
     make_app: AppFactory, fake_model: FakeModel
 ) -> None:
-    fake_model.delay_s = 0.5
     app = make_app()
     async with serving(app) as client:
         running = await hold_the_worker(client, fake_model)
@@ -167,9 +175,11 @@ async def test_a_queued_request_whose_client_left_is_dropped_and_counted(
         request = asyncio.ensure_future(app(scope, receive, send))
         await asyncio.sleep(0.1)
         gone.set()
-        await asyncio.wait_for(request, 0.3)  # returns while the blocker still runs
+        await asyncio.wait_for(request, 5)  # returns while the blocker still runs
         assert not running.done()
         counted = rejected("disconnected") - before
+        assert fake_model.gate is not None
+        fake_model.gate.set()
         assert (await running).status_code == 200
         await asyncio.sleep(0.05)
     assert counted == 1
