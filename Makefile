@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test test-slow bench venv-serve venv-dev venv-bench
+.PHONY: serve test test-slow bench soak venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,8 @@ test-slow: venv-dev
 bench: venv-bench
 	$(BIN)/attnserve bench --models models --data-dir data --out bench/results/cpu \
 		--sentences 1000 --summaries 300 --concurrency 1 8 32 64 --duration-s 120
+
+# Reliability under load (RELIABILITY.md): 60 s at 3x capacity, a killed worker, a 10-minute
+# soak. Shorter: make soak ATTNSERVE_OVERLOAD_S=20 ATTNSERVE_SOAK_S=120
+soak: venv-dev
+	ATTNSERVE_RELIABILITY_OUT=bench/results/reliability $(BIN)/python -m pytest -m soak -q -s

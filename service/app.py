@@ -6,27 +6,44 @@ middlewares sit around the routes: one records `requests_total` and
 `request_duration_seconds` by route template (never the raw path), one refuses bodies over
 `max_body_bytes` with a 413. Routers declare full paths (no prefixes), so the matched route's
 `path` is the template whichever way FastAPI includes routers.
+
+Security and operations: the inference routes take JSON only (415) and need the bearer token
+when `api_key` is set (`service.auth`); CORS is closed unless `cors_origins` lists origins;
+with `metrics_port` the metrics are served on their own port (`service.metrics_server`) and
+not on this app; with `fail_on_model_error` a model that fails to load makes the startup fail
+(the process exits) instead of leaving the server live and not ready.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import metrics
+from service.auth import require_api_key
+from service.deadline import HEADER as TIMEOUT_HEADER
+from service.media_type import require_json
 from service.errors import error_response, install_error_handlers
 from service.registry import GeneratorFactory, Loader, ModelRegistry, onnx_generator, onnx_loader
 from service.routes import attention, generate, health, kserve, models, page
 from service.routes import metrics as metrics_route
 from service.settings import Settings
 
+logger = logging.getLogger(__name__)
+
 UNMATCHED_ROUTE = "unmatched"
+
+
+class ModelLoadFailed(RuntimeError):
+    """A model failed to load and `fail_on_model_error` asks the server not to start."""
 
 
 def create_app(
@@ -48,6 +65,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry.start()
+        if settings.fail_on_model_error:
+            await _refuse_failed_models(registry)
         try:
             yield
         finally:
@@ -63,11 +82,36 @@ def create_app(
     app.state.registry = registry
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", TIMEOUT_HEADER],
+        )
     app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
-    for router in (generate.router, attention.router, models.router, health.router,
-                   kserve.router, metrics_route.router, page.router):
+    inference = [Depends(require_api_key), Depends(require_json)]
+    for router in (generate.router, attention.router):
+        app.include_router(router, dependencies=inference)
+    # KServe v2: the protocol's own content types (JSON or the binary extension); `infer`
+    # carries its own bearer-token dependency.
+    for router in (models.router, health.router, kserve.router, page.router):
         app.include_router(router)
+    if settings.metrics_port is None:
+        app.include_router(metrics_route.router)
     return app
+
+
+async def _refuse_failed_models(registry: ModelRegistry) -> None:
+    """Wait for the models to load; raise `ModelLoadFailed` if any failed (or none exist)."""
+    failed = await registry.wait_settled()
+    if not registry.entries:
+        message = f"no models found in {registry.settings.models_dir}"
+    elif failed:
+        message = "; ".join(f"model {e.name} failed to load: {e.error}" for e in failed)
+    else:
+        return
+    logger.critical("refusing to start (fail_on_model_error): %s", message)
+    raise ModelLoadFailed(message)
 
 
 class RequestMetricsMiddleware:

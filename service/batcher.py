@@ -6,7 +6,9 @@ with `Overloaded` (429). A loop on the event loop takes the oldest row and waits
 `max_batch_size` rows and `max_batch_tokens` padded source tokens (times the beams). The batch
 is sorted by source length and generated in the model's own single worker thread, so the
 event loop never blocks. If generation raises, every row of that batch fails with
-`InternalError` and the loop goes on with the next batch. Other work on the model (attention
+`InternalError` and the loop goes on with the next batch. A row may carry a deadline
+(`perf_counter` seconds): one still queued when it passes fails with `DeadlineExceeded`
+without reaching the model. Other work on the model (attention
 maps) runs in the same worker thread between batches, through `run`.
 
 A streamed row carries `RowHooks`: the generation function calls `on_token` (in the worker
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from service import metrics
-from service.errors import InternalError, NotReady, Overloaded
+from service.errors import DeadlineExceeded, InternalError, NotReady, Overloaded
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class _Row:
     future: asyncio.Future[Generated]
     hooks: RowHooks | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None  # perf_counter seconds
 
 
 class Batcher:
@@ -143,14 +146,16 @@ class Batcher:
             )
 
     async def submit(
-        self, sources: list[list[int]], beam_size: int, max_new_tokens: int
+        self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
+        deadline: float | None = None,
     ) -> list[Generated]:
         """Generate for every source (ids ending with EOS); results in the same order.
 
         Raises `Overloaded` when the rows do not fit in the queue, `NotReady` while draining,
+        `DeadlineExceeded` when a row was still queued at `deadline` (`perf_counter`),
         `InternalError` when the batch of any row failed.
         """
-        futures = self.enqueue(sources, beam_size, max_new_tokens)
+        futures = self.enqueue(sources, beam_size, max_new_tokens, deadline=deadline)
         try:
             return list(await asyncio.gather(*futures))
         except BaseException:
@@ -167,6 +172,7 @@ class Batcher:
         beam_size: int,
         max_new_tokens: int,
         hooks: Sequence[RowHooks | None] | None = None,
+        deadline: float | None = None,
     ) -> list[asyncio.Future[Generated]]:
         """Admit all rows of one request, or none; returns one future per row.
 
@@ -186,7 +192,7 @@ class Batcher:
         if len(row_hooks) != len(sources):
             raise ValueError(f"{len(row_hooks)} hooks for {len(sources)} sources")
         rows = [
-            _Row(list(source), key, loop.create_future(), hook)
+            _Row(list(source), key, loop.create_future(), hook, deadline=deadline)
             for source, hook in zip(sources, row_hooks, strict=True)
         ]
         self._queue.extend(rows)
@@ -278,6 +284,7 @@ class Batcher:
     async def _loop(self) -> None:
         """Form batches forever: wait for a row, let the batch fill, run it."""
         while True:
+            self._expire()
             self._drop_cancelled_head()
             if not self._queue:
                 self._idle.set()
@@ -295,9 +302,19 @@ class Batcher:
                     await asyncio.wait_for(self._arrived.wait(), remaining)
                 except TimeoutError:
                     break
+            self._expire()
             rows = self._take(head.key)
             if rows:
                 await self._run(rows)
+
+    def _expire(self) -> None:
+        """Fail the queued rows whose deadline has passed (they never reach the model)."""
+        now = time.perf_counter()
+        for row in self._queue:
+            if row.deadline is not None and now >= row.deadline and not row.future.done():
+                row.future.set_exception(
+                    DeadlineExceeded("the deadline passed while the request was queued")
+                )
 
     def _drop_cancelled_head(self) -> None:
         while self._queue and self._queue[0].future.done():

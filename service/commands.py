@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "max_batch_size",
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "request_timeout_s",
-    "graceful_timeout_s", "shutdown_delay_s",
+    "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
+    "fail_on_model_error",
 )
 
 
@@ -56,6 +57,16 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-delay-s", type=float,
                    help="after SIGTERM keep accepting requests this long, readiness 503, "
                    "so load balancers stop routing first (default 0)")
+    p.add_argument("--workers", type=int,
+                   help="server processes sharing the port, each restarted if it dies; every "
+                   "one loads every model (default 1)")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve /metrics on this port instead of the main one (workers=1)")
+    p.add_argument("--cors-origins",
+                   help="origins allowed by CORS, comma-separated (default: none, closed)")
+    p.add_argument("--fail-on-model-error", action="store_const", const=True,
+                   help="exit (non-zero status) when a model fails to load, instead of staying "
+                   "live and not ready")
     p.set_defaults(func=_serve)
 
 
@@ -73,6 +84,17 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as error:
         logger.error("invalid settings: %s", error)
         return 2
+    if settings.workers > 1:
+        from service.workers import run_workers
+
+        logger.info("serving %s on http://%s:%d with %d workers", settings.models_dir,
+                    settings.host, settings.port, settings.workers)
+        run_workers(settings)
+        return 0
+    if settings.metrics_port is not None:
+        from service.metrics_server import start_metrics_server
+
+        start_metrics_server(settings.metrics_port, settings.host)
     app = create_app(settings)
     config = uvicorn.Config(
         app,

@@ -78,6 +78,21 @@ class DeadlineExceeded(ServiceError):
     error_type = "deadline_exceeded"
 
 
+class Unauthorized(ServiceError):
+    """The route needs the server's bearer token and the request lacks it or has another."""
+
+    error_type = "unauthorized"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": 'Bearer realm="attnserve"'}
+
+
+class ClientDisconnected(ServiceError):
+    """The client went away while its request waited; nobody reads the answer (499)."""
+
+    error_type = "client_disconnected"
+
+
 class InternalError(ServiceError):
     """Inference failed; the message says so without details (those are logged)."""
 
@@ -87,16 +102,19 @@ class InternalError(ServiceError):
 # The one mapping from error type to HTTP status.
 _STATUS: dict[type[ServiceError], int] = {
     InvalidInput: 422,
+    Unauthorized: 401,
     PayloadTooLarge: 413,
     ModelNotFound: 404,
     Overloaded: 429,
     NotReady: 503,
     DeadlineExceeded: 504,
+    ClientDisconnected: 499,  # nginx's "client closed request": logged, never read
     InternalError: 500,
 }
 
 # error_type of the statuses Starlette raises itself (unknown route, wrong method, ...).
 _HTTP_ERROR_TYPES = {
+    400: "bad_request",
     404: "not_found",
     405: "method_not_allowed",
     413: "payload_too_large",

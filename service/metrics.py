@@ -5,11 +5,12 @@ on `REGISTRY`, a `CollectorRegistry` created here rather than prometheus-client'
 default one, so `GET /metrics` exports only these and tests can build fresh apps without
 "Duplicated timeseries" errors.
 
-One process, one worker: the server runs a single uvicorn worker per process by design. The
-batcher must own the model in one process to group requests, so the service scales out with
-replicas (compose, Kubernetes), never with `--workers N` or gunicorn workers. That is also why
-prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`) is not used: each replica
-is scraped on its own and Prometheus sums across them.
+One process, one worker by default: the batcher must own the model in one process to group
+requests, so the service scales out with replicas (compose, Kubernetes). `--workers N`
+(`service.workers`) runs N independent processes on one port, each with its own models,
+batcher and metrics; prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`) is not
+used, so prefer one worker per replica where the metrics must add up: each replica is
+scraped on its own and Prometheus sums across them.
 """
 
 from __future__ import annotations

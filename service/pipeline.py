@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 from service import attention, metrics
 from service.batcher import Generated
+from service.deadline import Deadline
+from service.disconnect import unless_disconnected
 from service.errors import DeadlineExceeded, InvalidInput
 from service.registry import ModelEntry, Runtime
 from service.schemas import Output, Usage
@@ -64,14 +66,22 @@ def prepare(
                     time.perf_counter() if started is None else started)
 
 
-async def generate(prepared: Prepared, settings: Settings) -> list[Generated]:
-    """Every row of the request through the batcher, within the request's deadline."""
+async def generate(
+    prepared: Prepared, settings: Settings, deadline: Deadline | None = None,
+    request: Request | None = None,
+) -> list[Generated]:
+    """Every row of the request through the batcher, within the request's deadline (default
+    `request_timeout_s`); with `request`, dropped as soon as its client goes away."""
     entry = prepared.entry
     assert entry.batcher is not None
-    return await within_deadline(
-        entry.batcher.submit(prepared.sources, prepared.beam_size, prepared.max_new_tokens),
-        entry, prepared.started, settings,
+    submitted: Awaitable[list[Generated]] = entry.batcher.submit(
+        prepared.sources, prepared.beam_size, prepared.max_new_tokens,
+        deadline.at if deadline is not None else None,
     )
+    if request is not None:
+        submitted = unless_disconnected(request, submitted, entry.name)
+    return await within_deadline(submitted, entry, prepared.started, settings,
+                                 budget_s=deadline.budget_s if deadline is not None else None)
 
 
 def output(runtime: Runtime, source: list[int], result: Generated, **extra: Any) -> Output:
@@ -101,17 +111,18 @@ def attention_runtime(runtime: Any) -> attention.AttentionRuntime:
 
 
 async def within_deadline(
-    work: Awaitable[T], entry: ModelEntry, started: float, settings: Settings
+    work: Awaitable[T], entry: ModelEntry, started: float, settings: Settings,
+    budget_s: float | None = None,
 ) -> T:
-    """`await work`, or `DeadlineExceeded` (504) once the request is `request_timeout_s` old."""
-    remaining = settings.request_timeout_s - (time.perf_counter() - started)
+    """`await work`, or `DeadlineExceeded` (504) once the request is `budget_s` old
+    (default `request_timeout_s`), whether it was still queued or running."""
+    budget_s = settings.request_timeout_s if budget_s is None else budget_s
+    remaining = budget_s - (time.perf_counter() - started)
     try:
         return await asyncio.wait_for(work, remaining)
-    except TimeoutError:
+    except (TimeoutError, DeadlineExceeded):
         metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()
-        raise DeadlineExceeded(
-            f"no result within the deadline of {settings.request_timeout_s:g}s"
-        ) from None
+        raise DeadlineExceeded(f"no result within the deadline of {budget_s:g}s") from None
 
 
 def check_texts(texts: list[str], where: Sequence[str], settings: Settings) -> None:

@@ -5,7 +5,8 @@ from the manifest at once, so requests for a loading or failed model get a 503. 
 background thread loads them one by one (hash check and sessions in the runtime's `load`,
 then a warm-up inference); each model that loads gets its batcher on the event loop and turns
 ready. A model that fails stays listed as failed with its error: the server is live but
-never ready. The server is ready when every model is, and not while draining for shutdown.
+never ready (or, with `fail_on_model_error`, the app refuses to start: `wait_settled`). The
+server is ready when every model is, and not while draining for shutdown.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class ModelRegistry:
         self._generator = generator
         self._entries: dict[str, ModelEntry] = {}
         self._thread: threading.Thread | None = None
+        self._settled: asyncio.Event | None = None
 
     @property
     def entries(self) -> list[ModelEntry]:
@@ -137,10 +139,17 @@ class ModelRegistry:
                          self.settings.models_dir)
             return
         loop = asyncio.get_running_loop()
+        self._settled = asyncio.Event()
         self._thread = threading.Thread(
             target=self._load_all, args=(loop,), name="model-loader", daemon=True
         )
         self._thread.start()
+
+    async def wait_settled(self) -> list[ModelEntry]:
+        """Wait until every model has loaded or failed; returns the failed ones."""
+        if self._settled is not None:
+            await self._settled.wait()
+        return [entry for entry in self._entries.values() if entry.state == "failed"]
 
     def begin_draining(self) -> None:
         """Turn readiness to 503 now (SIGTERM); requests in flight or still arriving are served."""
@@ -215,6 +224,8 @@ class ModelRegistry:
                 continue
             seconds = time.perf_counter() - start
             self._publish(loop, self._on_loaded, entry, runtime, generate, seconds)
+        if self._settled is not None:
+            self._publish(loop, self._settled.set)  # after every model's own callback
 
     @staticmethod
     def _warm_up(runtime: Runtime, generate: GenerateFn) -> None:

@@ -7,9 +7,10 @@ with the same 422 error body. Internal types (batch items, generations) live els
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, model_validator
 
 MAX_TEXTS = 256
 MAX_TEXT_CHARS = 100_000
@@ -17,8 +18,26 @@ MAX_BEAM_SIZE = 8
 MAX_NEW_TOKENS = 4096
 MAX_ATTENTION_INDICES = 256  # layers or heads listed in one /v1/attention request
 MAX_DECIMALS = 8
+MAX_TIMEOUT_MS = 3_600_000
 
-Text = Annotated[StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
+# Control characters but tab and newlines, and the surrogate code points (JSON "\ud800").
+_REFUSED_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _clean_text(text: str) -> str:
+    """Refuse NUL, other control characters and lone surrogates, which no tokenizer should
+    see; the message names the code point, never the text."""
+    found = _REFUSED_CHARS.search(text)
+    if found is not None:
+        code = ord(found.group())
+        kind = "lone surrogate" if 0xD800 <= code <= 0xDFFF else "control character"
+        raise ValueError(f"the text holds a {kind} (U+{code:04X}) at {found.start()}")
+    return text
+
+
+Text = Annotated[
+    StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS), AfterValidator(_clean_text)
+]
 FinishReason = Literal["eos", "length"]
 Task = Literal["translate", "summarize"]
 AttentionKind = Literal["encoder", "decoder", "cross"]
@@ -52,6 +71,11 @@ class GenerateRequest(BaseModel):
         description="answer with Server-Sent Events: one event per generated token (greedy; "
         "beam search sends the final hypothesis's tokens), then a final event with the output "
         "and usage; one `text` only, without `return_attention`",
+    )
+    timeout_ms: int | None = Field(
+        None, ge=1, le=MAX_TIMEOUT_MS,
+        description="deadline of this request in milliseconds (also the X-Request-Timeout-Ms "
+        "header); at most the server's request_timeout_s; 504 when it passes",
     )
 
     @model_validator(mode="after")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service import schemas
@@ -63,19 +63,47 @@ class Settings(BaseSettings):
     )
 
     # Deadlines and shutdown.
-    request_timeout_s: float = Field(default=60.0, gt=0, description="per request")
+    request_timeout_s: float = Field(
+        default=60.0, gt=0,
+        description="per request: the default and the cap of its X-Request-Timeout-Ms header",
+    )
     graceful_timeout_s: float = Field(default=30.0, ge=0, description="drain after SIGTERM")
     shutdown_delay_s: float = Field(
         default=0.0, ge=0, description="after SIGTERM, keep accepting (readiness 503) this long"
     )
 
-    @field_validator("providers", mode="before")
+    # Security and operations.
+    api_key: SecretStr | None = Field(
+        default=None, description="bearer token the inference routes require; None = open"
+    )
+    cors_origins: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(), description="origins allowed by CORS, comma-separated; empty = closed"
+    )
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve /metrics on this port instead of the main one",
+    )
+    fail_on_model_error: bool = Field(
+        default=False, description="refuse to start when a model fails to load (else live, "
+        "not ready)",
+    )
+    workers: int = Field(
+        default=1, ge=1, le=64, description="server processes on one socket, restarted if killed"
+    )
+
+    @field_validator("providers", "cors_origins", mode="before")
     @classmethod
     def _split_providers(cls, value: object) -> object:
-        """`"CUDAExecutionProvider, CPUExecutionProvider"` -> a tuple of names."""
+        """`"CUDAExecutionProvider, CPUExecutionProvider"` -> a tuple of names (origins too)."""
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: object) -> object:
+        """`ATTNSERVE_API_KEY=` (empty) leaves the routes open rather than accepting ""."""
+        return None if value == "" else value
 
     @field_validator("providers")
     @classmethod
@@ -88,4 +116,6 @@ class Settings(BaseSettings):
     def _consistent(self) -> Self:
         if self.max_texts > self.max_queue_size:
             raise ValueError("max_texts must not exceed max_queue_size")
+        if self.metrics_port is not None and self.workers > 1:
+            raise ValueError("metrics_port needs workers=1 (each worker has its own metrics)")
         return self

@@ -32,6 +32,7 @@ from starlette.types import Receive
 
 from service import metrics, pipeline
 from service.batcher import Generated, RowHooks
+from service.deadline import Deadline
 from service.errors import DeadlineExceeded, InternalError, ServiceError
 from service.pipeline import Prepared
 from service.settings import Settings
@@ -47,17 +48,22 @@ def event(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def stream(prepared: Prepared, receive: Receive, settings: Settings) -> StreamingResponse:
-    """Admit the request's one row (raising `Overloaded`/`NotReady` now) and stream it."""
+def stream(
+    prepared: Prepared, receive: Receive, settings: Settings, deadline: Deadline | None = None
+) -> StreamingResponse:
+    """Admit the request's one row (raising `Overloaded`/`NotReady` now) and stream it, within
+    `deadline` (default `request_timeout_s`)."""
     batcher = prepared.entry.batcher
     assert batcher is not None and len(prepared.sources) == 1
     loop = asyncio.get_running_loop()
     tokens: asyncio.Queue[int] = asyncio.Queue()
     hooks = RowHooks(on_token=_threadsafe_put(loop, tokens))
     [future] = batcher.enqueue(
-        prepared.sources, prepared.beam_size, prepared.max_new_tokens, hooks=[hooks]
+        prepared.sources, prepared.beam_size, prepared.max_new_tokens, hooks=[hooks],
+        deadline=deadline.at if deadline is not None else None,
     )
-    body = _events(prepared, future, tokens, receive, settings)
+    budget_s = deadline.budget_s if deadline is not None else settings.request_timeout_s
+    body = _events(prepared, future, tokens, receive, budget_s)
     return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
 
 
@@ -98,7 +104,7 @@ async def _events(
     future: asyncio.Future[Generated],
     tokens: asyncio.Queue[int],
     receive: Receive,
-    settings: Settings,
+    budget_s: float,
 ) -> AsyncIterator[bytes]:
     entry = prepared.entry
     batcher = entry.batcher
@@ -110,7 +116,7 @@ async def _events(
         while True:
             if next_token is None:
                 next_token = asyncio.ensure_future(tokens.get())
-            remaining = settings.request_timeout_s - (time.perf_counter() - prepared.started)
+            remaining = budget_s - (time.perf_counter() - prepared.started)
             waiting: set[asyncio.Future[Any]] = {next_token, future, gone}
             done, _ = await asyncio.wait(
                 waiting, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
@@ -125,7 +131,7 @@ async def _events(
                 break
             metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()
             raise DeadlineExceeded(
-                f"no result within the deadline of {settings.request_timeout_s:g}s"
+                f"no result within the deadline of {budget_s:g}s"
             )
         while not tokens.empty():  # sent by the worker before the batch ended
             yield event(text.add(tokens.get_nowait()))

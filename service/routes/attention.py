@@ -16,6 +16,8 @@ from fastapi import APIRouter, Request, Response
 
 from service import attention
 from service.attention import AttentionRuntime, Selection
+from service.deadline import request_deadline
+from service.disconnect import unless_disconnected
 from service.errors import InvalidInput
 from service.pipeline import attention_runtime, within_deadline
 from service.routes.deps import RegistryDep, SettingsDep
@@ -37,6 +39,7 @@ async def attention_maps(
     request.state.model = entry.name  # the metrics label of this request
     assert entry.runtime is not None and entry.batcher is not None
     runtime = attention_runtime(entry.runtime)
+    deadline = request_deadline(request, None, settings, started)  # X-Request-Timeout-Ms
     selection = Selection(
         kinds=tuple(body.kinds),
         layers=tuple(body.layers) if body.layers is not None else None,
@@ -51,9 +54,11 @@ async def attention_maps(
         target_ids, target_tokens = _given_target(runtime, target_text, settings)
     else:
         _check_cells(runtime, selection, len(source_ids), 1, settings)  # before generating
+        submitted = entry.batcher.submit([source_ids], 1, _generation_limit(runtime, settings),
+                                         deadline.at)
         [result] = await within_deadline(
-            entry.batcher.submit([source_ids], 1, _generation_limit(runtime, settings)),
-            entry, started, settings,
+            unless_disconnected(request, submitted, entry.name), entry, started, settings,
+            budget_s=deadline.budget_s,
         )
         target_ids = list(result.tokens)
         target_text, spans = runtime.tokenizer.decode_with_offsets(target_ids)
@@ -74,7 +79,7 @@ async def attention_maps(
     content = await within_deadline(
         entry.batcher.run(attention.attention_json, runtime, source_ids, target_ids, selection,
                           fields),
-        entry, started, settings,
+        entry, started, settings, budget_s=deadline.budget_s,
     )
     return Response(content=content, media_type="application/json")
 

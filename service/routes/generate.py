@@ -2,7 +2,8 @@
 
 The stages of one request (`service.pipeline`): schema validation (FastAPI), the configured
 limits, tokenization with the model's limits, admission into the model's batcher (429 when
-full), waiting for the batch under the request's deadline (504), detokenization. With
+full), waiting for the batch under the request's deadline (504; `service.deadline`) while
+watching for the client to go away (`service.disconnect`), detokenization. With
 `return_attention`, one more teacher-forced pass over the outputs, in the model's worker
 thread, gives their cross-attention (`service.attention.alignments`; exact for greedy and beam
 search alike). With `stream`, one text is answered with Server-Sent Events
@@ -17,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from service import attention, pipeline, streaming
+from service.deadline import request_deadline
 from service.pipeline import attention_runtime, within_deadline
 from service.registry import ModelRegistry, Runtime
 from service.routes.deps import RegistryDep, SettingsDep
@@ -26,7 +28,7 @@ from service.settings import Settings
 router = APIRouter(tags=["generate"])
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (404, 413, 422, 429, 500, 503, 504)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 413, 415, 422, 429, 500, 503, 504)
 }
 GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,
@@ -73,16 +75,17 @@ async def _generate(
     maps_runtime = attention_runtime(runtime) if body.return_attention else None
     prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
                                 where, started)
+    deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
-        return streaming.stream(prepared, request.receive, settings)
+        return streaming.stream(prepared, request.receive, settings, deadline)
     sources = prepared.sources
-    results = await pipeline.generate(prepared, settings)
+    results = await pipeline.generate(prepared, settings, deadline, request)
     extras: list[dict[str, Any]] = [{} for _ in results]
     if maps_runtime is not None:
         generated = [(list(r.tokens), r.finish_reason == "eos") for r in results]
         maps = await within_deadline(
             entry.batcher.run(attention.alignments, maps_runtime, sources, generated),
-            entry, started, settings,
+            entry, started, settings, budget_s=deadline.budget_s,
         )
         for i, extra in enumerate(extras):
             source_tokens, target_tokens = _alignment_labels(runtime, texts[i], *generated[i])

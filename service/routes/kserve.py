@@ -13,13 +13,15 @@ import logging
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from service import kserve, pipeline
+from service.auth import require_api_key
+from service.deadline import request_deadline
 from service.errors import ModelNotFound, ServiceError, describe_validation_errors, status_of
 from service.registry import ModelEntry, ModelRegistry
 from service.routes.deps import RegistryDep, SettingsDep
@@ -72,13 +74,13 @@ async def server_metadata() -> kserve.ServerMetadata:
                                  extensions=kserve.EXTENSIONS)
 
 
-@router.get("/v2/health/live", responses=RESPONSES)
+@router.get("/v2/health/live", responses=RESPONSES, response_class=Response)
 async def server_live() -> Response:
     """200 while the process serves HTTP."""
     return Response(status_code=200)
 
 
-@router.get("/v2/health/ready", responses=RESPONSES)
+@router.get("/v2/health/ready", responses=RESPONSES, response_class=Response)
 async def server_ready(registry: RegistryDep) -> Response:
     """200 once every model is ready (as `/health/ready`); 503 otherwise."""
     if not registry.ready:
@@ -96,8 +98,9 @@ async def model_metadata(
     return kserve.model_metadata(name)
 
 
-@router.get("/v2/models/{name}/ready", responses=RESPONSES)
-@router.get("/v2/models/{name}/versions/{version}/ready", responses=RESPONSES)
+@router.get("/v2/models/{name}/ready", responses=RESPONSES, response_class=Response)
+@router.get("/v2/models/{name}/versions/{version}/ready", responses=RESPONSES,
+            response_class=Response)
 async def model_ready(
     name: str, registry: RegistryDep, version: str = kserve.MODEL_VERSION
 ) -> Response:
@@ -107,8 +110,9 @@ async def model_ready(
     return Response(status_code=200)
 
 
-@router.post("/v2/models/{name}/infer", responses=RESPONSES)
-@router.post("/v2/models/{name}/versions/{version}/infer", responses=RESPONSES)
+@router.post("/v2/models/{name}/infer", responses=RESPONSES, dependencies=[Depends(require_api_key)])
+@router.post("/v2/models/{name}/versions/{version}/infer", responses=RESPONSES,
+             dependencies=[Depends(require_api_key)])
 async def infer(
     name: str, request: Request, registry: RegistryDep, settings: SettingsDep,
     version: str = kserve.MODEL_VERSION,
@@ -122,7 +126,8 @@ async def infer(
     where = [f"inputs.{kserve.INPUT}[{i}]" for i in range(len(inference.texts))]
     prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
                                 inference.max_new_tokens, settings, where)
-    results = await pipeline.generate(prepared, settings)
+    deadline = request_deadline(request, None, settings, prepared.started)  # header only
+    results = await pipeline.generate(prepared, settings, deadline, request)
     outputs = [pipeline.output(prepared.runtime, source, result)
                for source, result in zip(prepared.sources, results, strict=True)]
     values: dict[str, list[str]] = {"output": [o.text for o in outputs],

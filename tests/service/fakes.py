@@ -66,14 +66,19 @@ class FakeModel:
     step_delay_s: float = 0.0
     batches: list[list[int]] = field(default_factory=list)  # source lengths of each batch
     steps: list[int] = field(default_factory=list)  # rows decoding at each step (streamed)
+    seen: list[str] = field(default_factory=list)  # every source run, decoded
     threads: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    gate: threading.Event | None = None  # when set: each batch waits for it (at most 30 s)
 
     def generate(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                  hooks: Sequence[Any] | None = None) -> list[Result]:
         with self.lock:
             self.batches.append([len(s) for s in sources])
+            self.seen.extend(CharTokenizer().decode(s[:-1]) for s in sources)
             self.threads.add(threading.current_thread().name)
+        if self.gate is not None:
+            self.gate.wait(timeout=30)
         if self.delay_s:
             time.sleep(self.delay_s)
         if any(UNK in source for source in sources):

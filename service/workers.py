@@ -1,0 +1,69 @@
+"""Several server processes on one socket (`--workers N`), each restarted if it dies.
+
+uvicorn's process supervisor binds the socket once, spawns N worker processes that accept
+on it, and replaces any worker that exits or is killed (only that worker's in-flight requests
+fail). Each worker builds its own app from the environment (`app_from_environment`): the
+parent writes the effective settings into `ATTNSERVE_*` variables before spawning. Every
+worker loads every model and has its own batcher and metrics: scrape each worker's
+`/metrics` through the load balancer or prefer one worker per replica (the default).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI
+
+from service.settings import Settings
+
+ENV_PREFIX = "ATTNSERVE_"
+LOG_LEVEL_VARIABLE = "ATTNSERVE_LOG_LEVEL"  # the parent's `--log-level`, for the workers
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """`ATTNSERVE_*` variables that rebuild `settings` in a worker (the API key included)."""
+    environment = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if name == "api_key":
+            value = settings.api_key.get_secret_value() if settings.api_key else None
+        elif isinstance(value, tuple | list):
+            value = ",".join(str(part) for part in value)
+        elif isinstance(value, bool):
+            value = json.dumps(value)
+        environment[ENV_PREFIX + name.upper()] = str(value)
+    return environment
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one worker, with the settings its parent wrote into the environment."""
+    from service.app import create_app
+
+    if not logging.getLogger().handlers:  # a spawned worker: logging as `attnserve` sets it
+        logging.basicConfig(level=os.environ.get(LOG_LEVEL_VARIABLE, "INFO").upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return create_app(Settings())
+
+
+def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) -> None:
+    """Serve with `settings.workers` processes until SIGTERM or SIGINT (which drains them)."""
+    import uvicorn
+
+    os.environ.update(environ if environ is not None else settings_environment(settings))
+    os.environ[LOG_LEVEL_VARIABLE] = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "workers": settings.workers,
+        "factory": True,
+        "lifespan": "on",
+        "timeout_graceful_shutdown": math.ceil(settings.graceful_timeout_s),
+        "log_config": None,
+    }
+    uvicorn.run("service.workers:app_from_environment", **options)

@@ -1,0 +1,159 @@
+"""Sustained overload and soak against a real server process (loopback, fake models of known
+capacity: `tests.service.load_app`). Marked `soak`: run with `make soak`.
+
+Durations come from the environment so a busy machine can run shorter versions:
+`ATTNSERVE_OVERLOAD_S` (default 60) and `ATTNSERVE_SOAK_S` (default 600). With
+`ATTNSERVE_RELIABILITY_OUT` set to a folder, each test writes its figures there as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.load import TRANSPORT_ERROR, LoadResult, closed_loop, open_loop
+from tests.service.test_serve import free_port
+
+pytestmark = pytest.mark.soak
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERLOAD_S = float(os.environ.get("ATTNSERVE_OVERLOAD_S", "60"))
+SOAK_S = float(os.environ.get("ATTNSERVE_SOAK_S", "600"))
+WINDOW_S = 60.0
+CAPACITY_S = 8.0
+BODY = {"text": "the quick brown fox"}
+HEADERS = {"X-Request-Timeout-Ms": "2000"}
+SERVER_ENV = {
+    "ATTNSERVE_FAKE_DELAY_S": "0.05", "ATTNSERVE_MAX_BATCH_SIZE": "2",
+    "ATTNSERVE_MAX_QUEUE_SIZE": "16", "ATTNSERVE_MAX_WAIT_MS": "5",
+    "ATTNSERVE_REQUEST_TIMEOUT_S": "10",
+}
+RSS_GROWTH_BOUND_KB = 32 * 1024
+FD_GROWTH_BOUND = 10
+PROBE_MAX_S = 0.5
+
+
+@contextmanager
+def load_server() -> Iterator[tuple[str, int]]:
+    """The load app in its own uvicorn process; yields its base URL and pid."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "tests.service.load_app:create_load_app", "--factory",
+         "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+         "--log-level", "warning"],
+        cwd=ROOT, env={**os.environ, **SERVER_ENV},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, "the load server exited"
+            try:
+                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the load server did not turn ready"
+            time.sleep(0.2)
+        yield base, process.pid
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def process_stats(pid: int) -> tuple[int, int]:
+    """Resident memory (KiB) and open file descriptors of a process (Linux /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def measure_capacity(base: str) -> float:
+    """Goodput (requests/s) of a closed loop that keeps the batches full without 429s."""
+    result = asyncio.run(closed_loop(f"{base}/v1/translate", BODY, 8, CAPACITY_S,
+                                     headers=HEADERS))
+    assert set(result.statuses()) == {200}, result.summary()
+    return result.goodput(1.0, CAPACITY_S)  # the first second warms up
+
+
+def report(name: str, figures: dict[str, Any]) -> None:
+    print(f"\n{name}: {json.dumps(figures)}")
+    out = os.environ.get("ATTNSERVE_RELIABILITY_OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.json").write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def test_three_times_capacity_keeps_goodput_and_liveness() -> None:
+    with load_server() as (base, _pid):
+        capacity = measure_capacity(base)
+        result: LoadResult = asyncio.run(open_loop(
+            f"{base}/v1/translate", BODY, 3 * capacity, OVERLOAD_S, headers=HEADERS,
+            probe_url=f"{base}/health/live",
+        ))
+    statuses = result.statuses()
+    steady = result.goodput(2.0, OVERLOAD_S - 1.0)
+    figures = {"capacity_rps": round(capacity, 1), "offered_rps": round(3 * capacity, 1),
+               "steady_goodput_rps": round(steady, 1),
+               "goodput_ratio": round(steady / capacity, 3), **result.summary()}
+    report("overload", figures)
+    assert statuses[TRANSPORT_ERROR] == 0, figures
+    assert set(statuses) <= {200, 429, 504}, figures
+    assert statuses[429] > 0, figures  # it was overloaded
+    assert steady >= 0.9 * capacity, figures
+    assert result.probes and all(p.status == 200 for p in result.probes), figures
+    assert max(p.latency_s for p in result.probes) <= PROBE_MAX_S, figures
+
+
+def test_soak_at_70_percent_holds_memory_descriptors_and_latency() -> None:
+    samples: list[tuple[float, int, int]] = []
+
+    async def run(base: str, pid: int, rate: float) -> LoadResult:
+        async def sample() -> None:
+            t0 = time.perf_counter()
+            while True:
+                samples.append((time.perf_counter() - t0, *process_stats(pid)))
+                await asyncio.sleep(5)
+
+        sampler = asyncio.ensure_future(sample())
+        try:
+            return await open_loop(f"{base}/v1/translate", BODY, rate, SOAK_S, headers=HEADERS)
+        finally:
+            sampler.cancel()
+
+    with load_server() as (base, pid):
+        capacity = measure_capacity(base)
+        result = asyncio.run(run(base, pid, 0.7 * capacity))
+    window = min(WINDOW_S, SOAK_S / 2)
+    warm = [s for s in samples if s[0] >= window] or samples
+    rss_growth = max(s[1] for s in warm) - warm[0][1]
+    fd_growth = max(s[2] for s in warm) - warm[0][2]
+    first_p99 = result.percentile(0.99, 0, window)
+    last_p99 = result.percentile(0.99, SOAK_S - window, SOAK_S)
+    figures = {"capacity_rps": round(capacity, 1), "offered_rps": round(0.7 * capacity, 1),
+               "rss_start_kb": samples[0][1], "rss_end_kb": samples[-1][1],
+               "rss_growth_after_warmup_kb": rss_growth, "fd_start": samples[0][2],
+               "fd_end": samples[-1][2], "fd_growth_after_warmup": fd_growth,
+               "first_window_p99_ms": round(first_p99 * 1000, 1),
+               "last_window_p99_ms": round(last_p99 * 1000, 1), "window_s": window,
+               **result.summary()}
+    report("soak", figures)
+    assert result.statuses() == {200: len(result.samples)}, figures
+    assert rss_growth <= RSS_GROWTH_BOUND_KB, figures
+    assert fd_growth <= FD_GROWTH_BOUND, figures
+    assert last_p99 <= 1.5 * first_p99, figures

@@ -1,0 +1,127 @@
+"""`attnserve serve --workers N`: worker processes on one socket, a killed one is restarted.
+
+The settings reach the spawned workers through the environment (checked in the default run);
+the kill test runs the real server on the tiny model and is marked `soak` (`make soak`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.settings import Settings
+from service.workers import settings_environment
+
+BODY = {"text": "abc de"}
+
+
+def test_the_environment_rebuilds_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(models_dir=Path("some/models"), providers=("CPUExecutionProvider",),
+                        max_batch_size=3, api_key="k3y", cors_origins=("https://a.example",),
+                        fail_on_model_error=True, workers=2, request_timeout_s=7.5)
+    for name, value in settings_environment(settings).items():
+        monkeypatch.setenv(name, value)
+    assert Settings() == settings
+    assert Settings().api_key is not None and Settings().api_key.get_secret_value() == "k3y"
+
+
+def worker_pids(parent: int) -> set[int]:
+    """The spawned worker processes of uvicorn's supervisor (not its resource tracker)."""
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    pids = set()
+    for pid in map(int, children):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"resource_tracker" not in command:
+            pids.add(pid)
+    return pids
+
+
+async def closed_loop_until(url: str, stop: asyncio.Event, concurrency: int) -> list[int]:
+    """Statuses of requests sent by `concurrency` clients, a new connection each time, until
+    `stop` (0: no HTTP response)."""
+    statuses: list[int] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+
+        async def user() -> None:
+            while not stop.is_set():
+                try:
+                    statuses.append((await client.post(url, json=BODY)).status_code)
+                except httpx.HTTPError:
+                    statuses.append(0)
+
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+    return statuses
+
+
+@pytest.mark.soak
+def test_a_killed_worker_is_restarted_and_only_its_requests_fail(
+    served_tiny_models: Path, tmp_path: Path
+) -> None:
+    from tests.service.test_serve import free_port, serve_command, wait_ready
+
+    concurrency = 6
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/translate"
+    log = tmp_path / "serve.log"
+    environment = {**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider",
+                   "ATTNSERVE_THREADS": "1"}
+    with log.open("w") as output, subprocess.Popen(
+        [*serve_command(), "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
+         "--port", str(port), "--models", str(served_tiny_models), "--workers", "2"],
+        env=environment, stdout=output, stderr=subprocess.STDOUT,
+    ) as process:
+        try:
+            wait_ready(port)
+        except AssertionError:
+            process.kill()
+            raise AssertionError(log.read_text()[-3000:]) from None
+        deadline = time.monotonic() + 60
+        while len(worker_pids(process.pid)) < 2:
+            assert time.monotonic() < deadline, "the two workers did not start"
+            time.sleep(0.2)
+        before = worker_pids(process.pid)
+
+        async def scenario() -> tuple[list[int], set[int]]:
+            stop = asyncio.Event()
+            load = asyncio.ensure_future(closed_loop_until(url, stop, concurrency))
+            await asyncio.sleep(3)
+            victim = min(before)
+            os.kill(victim, signal.SIGKILL)
+            replaced: set[int] = set()
+            for _ in range(600):  # the supervisor notices and spawns a new worker
+                replaced = worker_pids(process.pid) - before
+                if replaced:
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(8)  # the replacement loads the model and serves
+            stop.set()
+            return await load, replaced
+
+        statuses, replaced = asyncio.run(scenario())
+        after = [httpx.post(url, json=BODY, timeout=30).status_code for _ in range(10)]
+        alive = worker_pids(process.pid)
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    failed = [s for s in statuses if s != 200]
+    print(f"\nworkers: {len(statuses)} requests, {len(failed)} failed {sorted(set(failed))}, "
+          f"replaced {sorted(replaced)}")
+    assert replaced, "the killed worker was not replaced"
+    assert len(alive) == 2
+    assert statuses.count(200) > 20
+    assert len(failed) <= concurrency, failed  # at most the requests in flight on the victim
+    assert set(failed) <= {0}, failed  # lost connections only, never an error status
+    assert after == [200] * 10
