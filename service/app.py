@@ -30,8 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service import metrics
 from service.auth import require_api_key
 from service.deadline import HEADER as TIMEOUT_HEADER
-from service.media_type import require_json
 from service.errors import error_response, install_error_handlers
+from service.media_type import require_json
 from service.registry import GeneratorFactory, Loader, ModelRegistry, onnx_generator, onnx_loader
 from service.routes import attention, generate, health, kserve, models, page
 from service.routes import metrics as metrics_route

@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from starlette.requests import Request
+
 from service import attention, metrics
 from service.batcher import Generated
 from service.deadline import Deadline
