@@ -73,6 +73,16 @@ async def wait_until_ready(client: httpx.AsyncClient, timeout_s: float = 30) -> 
         await asyncio.sleep(0.01)
 
 
+async def wait_until_settled(client: httpx.AsyncClient, timeout_s: float = 30) -> dict[str, Any]:
+    """Poll `/v1/models` until no model is still loading; the model cards by name."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        cards = {c["name"]: c for c in (await client.get("/v1/models")).json()["models"]}
+        if all(c["state"] != "loading" for c in cards.values()) or loop.time() >= deadline:
+            return cards
+        await asyncio.sleep(0.01)
+
 
 def tiny_settings(models_dir: Path, **overrides: Any) -> Settings:
     """Settings to serve the tiny repository: CPU, one thread, the fp32 variant (equal to PyTorch)."""

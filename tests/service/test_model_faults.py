@@ -8,7 +8,6 @@ ever unpickled: weights are safetensors and ONNX, checked against the manifest f
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -21,7 +20,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 from service.app import create_app
-from tests.service.conftest import serving, tiny_settings
+from tests.service.conftest import serving, tiny_settings, wait_until_settled
 
 pytestmark = pytest.mark.anyio
 
@@ -70,11 +69,7 @@ async def test_a_broken_model_file_leaves_the_server_live_not_ready(
     caplog.set_level(logging.ERROR, logger="service.registry")
     app = create_app(tiny_settings(tmp_path / "models"))
     async with serving(app, wait_ready=False) as client:
-        for _ in range(1200):
-            [card] = (await client.get("/v1/models")).json()["models"]
-            if card["state"] != "loading":
-                break
-            await asyncio.sleep(0.05)
+        [card] = (await wait_until_settled(client, timeout_s=60)).values()
         live = await client.get("/health/live")
         ready = await client.get("/health/ready")
         request = await client.post("/v1/translate", json={"text": "abc"})

@@ -21,7 +21,7 @@ from model.checkpoint import load_model
 from model.decoding import beam_search, pad_batch
 from model.tokenizer import Tokenizer
 from service.app import create_app
-from tests.service.conftest import serving, tiny_settings
+from tests.service.conftest import serving, tiny_settings, wait_until_settled
 
 pytestmark = pytest.mark.anyio
 
@@ -137,11 +137,7 @@ async def test_a_repository_failing_its_hash_check_is_live_not_ready(
     data[-1] ^= 0xFF
     decoder.write_bytes(bytes(data))
     async with serving(create_app(tiny_settings(tmp_path / "models")), wait_ready=False) as client:
-        for _ in range(600):
-            [card] = (await client.get("/v1/models")).json()["models"]
-            if card["state"] != "loading":
-                break
-            await asyncio.sleep(0.05)
+        [card] = (await wait_until_settled(client)).values()
         ready = await client.get("/health/ready")
         live = await client.get("/health/live")
     assert card["state"] == "failed" and "sha256" in card["error"]

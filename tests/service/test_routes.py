@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.service.conftest import AppFactory, serving
+from tests.service.conftest import AppFactory, serving, wait_until_settled
 from tests.service.fakes import FakeLoader, FakeModel
 
 pytestmark = pytest.mark.anyio
@@ -247,11 +247,7 @@ async def test_a_model_that_fails_to_load_leaves_the_server_live_not_ready(
 ) -> None:
     app = make_app(loader=FakeLoader(failing=["summarize-en"]))
     async with serving(app, wait_ready=False) as client:
-        for _ in range(500):
-            cards = {c["name"]: c for c in (await client.get("/v1/models")).json()["models"]}
-            if all(c["state"] != "loading" for c in cards.values()):
-                break
-            await asyncio.sleep(0.01)
+        cards = await wait_until_settled(client)
         assert (await client.get("/health/live")).status_code == 200
         ready = assert_error(await client.get("/health/ready"), 503, "not_ready")
         failed = await client.post("/v1/summarize", json={"text": "a"})
