@@ -32,7 +32,15 @@ from service.auth import require_api_key
 from service.deadline import HEADER as TIMEOUT_HEADER
 from service.errors import error_response, install_error_handlers
 from service.media_type import require_json
-from service.registry import GeneratorFactory, Loader, ModelRegistry, onnx_generator, onnx_loader
+from service.registry import (
+    GeneratorFactory,
+    Loader,
+    ModelRegistry,
+    RunningBatchFactory,
+    onnx_generator,
+    onnx_loader,
+    onnx_running_batch,
+)
 from service.routes import attention, generate, health, kserve, models, page
 from service.routes import metrics as metrics_route
 from service.settings import Settings
@@ -51,15 +59,19 @@ def create_app(
     *,
     loader: Loader | None = None,
     generator: GeneratorFactory | None = None,
+    running_batch: RunningBatchFactory | None = None,
 ) -> FastAPI:
     """The app serving the models of `settings.models_dir`.
 
-    `loader` and `generator` default to onnxruntime (`service.runtime`, `service.generation`);
-    tests pass fakes.
+    `loader`, `generator` and `running_batch` default to onnxruntime (`service.runtime`,
+    `service.generation`, `service.continuous`); tests pass fakes. With a fake `generator` and
+    no `running_batch` there is no continuous batching (request-level batches only).
     """
     settings = settings or Settings()
+    if running_batch is None and generator is None:
+        running_batch = onnx_running_batch
     registry = ModelRegistry(
-        settings, loader or onnx_loader(settings), generator or onnx_generator
+        settings, loader or onnx_loader(settings), generator or onnx_generator, running_batch
     )
 
     @asynccontextmanager

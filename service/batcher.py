@@ -11,6 +11,15 @@ event loop never blocks. If generation raises, every row of that batch fails wit
 without reaching the model. Other work on the model (attention
 maps) runs in the same worker thread between batches, through `run`.
 
+Continuous batching (given a `running_batch` factory, `service.continuous.RunningBatch`):
+greedy rows do not wait for a batch to end. They join the running batch at its next decoder
+step (up to `max_batch_size` rows and `max_batch_tokens` padded source tokens in it) and leave
+it, their futures resolved, as soon as they finish. The worker thread steps the running batch
+until something new arrives (a row, a `run` call, shutdown), then the loop lets the newcomers
+in and resumes it. A new running batch starts at once: there is no `max_wait_s` to wait, as
+later rows join at the next step. Beam-search rows still form request-level batches, run
+between two steps of the running batch when they are the oldest queued rows.
+
 A streamed row carries `RowHooks`: the generation function calls `on_token` (in the worker
 thread) for each token as it is decoded, and drops the row from the running batch at the next
 decoder step once `cancel` is set. `cancel(future)` cancels a row wherever it is: a queued row
@@ -52,6 +61,16 @@ class Generated(Protocol):
 # (sources ending with EOS, beam_size, max_new_tokens) -> one result per source, in order;
 # called with `hooks=[RowHooks | None, ...]` (one per source) when a row of the batch streams.
 GenerateFn = Callable[..., Sequence[Generated]]
+
+
+class RunningBatchLike(Protocol):
+    """What continuous batching uses of `service.continuous.RunningBatch` (owners are rows)."""
+
+    def __len__(self) -> int: ...
+    def add(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
+            hooks: Sequence[RowHooks | None] | None = None) -> None: ...
+    def step(self) -> Sequence[tuple[Any, Generated]]: ...
+    def cancel_all(self) -> list[Any]: ...
 
 
 @dataclass
@@ -106,18 +125,24 @@ class _Row:
     hooks: RowHooks | None = None
     enqueued_at: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # perf_counter seconds
+    started_at: float = 0.0  # when it joined a batch
 
 
 class Batcher:
     """Groups concurrent rows of one model into batches and runs them in a worker thread."""
 
-    def __init__(self, model: str, generate_fn: GenerateFn, limits: BatchLimits) -> None:
+    def __init__(self, model: str, generate_fn: GenerateFn, limits: BatchLimits,
+                 running_batch: Callable[[], RunningBatchLike] | None = None) -> None:
         self.model = model
         self.limits = limits
         self.counters = BatchCounters()
         self._generate = generate_fn
+        # continuous batching of greedy rows; touched only in the worker thread while it steps
+        self._batch = running_batch() if running_batch is not None else None
+        self._interrupt = threading.Event()  # tells the worker to hand back between two steps
         self._queue: deque[_Row] = deque()
-        self._running: list[_Row] = []
+        self._running: list[_Row] = []  # the request-level batch now generating
+        self._decoding: list[_Row] = []  # the rows of the running batch (continuous batching)
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -134,9 +159,15 @@ class Batcher:
         return len(self._queue)
 
     @property
+    def continuous(self) -> bool:
+        """Whether greedy rows join a running batch between decoder steps."""
+        return self._batch is not None
+
+    @property
     def running(self) -> int:
         """Rows of the batch now generating that are not cancelled."""
-        return sum(1 for row in self._running if not (row.hooks and row.hooks.cancelled))
+        return sum(1 for row in [*self._running, *self._decoding]
+                   if not (row.hooks and row.hooks.cancelled))
 
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
@@ -199,6 +230,7 @@ class Batcher:
         metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
         self._idle.clear()
         self._arrived.set()
+        self._interrupt.set()
         return [row.future for row in rows]
 
     def cancel(self, future: asyncio.Future[Generated]) -> str | None:
@@ -218,7 +250,7 @@ class Batcher:
                 stage = "queued"
                 break
         else:
-            for row in self._running:
+            for row in [*self._running, *self._decoding]:
                 if row.future is future:
                     if row.hooks is not None:
                         row.hooks.cancel.set()
@@ -246,6 +278,7 @@ class Batcher:
             )
         self._jobs += 1
         self._jobs_done.clear()
+        self._interrupt.set()  # the running batch hands the worker over between two steps
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         except Exception as error:
@@ -261,6 +294,7 @@ class Batcher:
         """Stop admitting, let queued and running rows finish (up to `timeout_s`), stop."""
         self._accepting = False
         self._arrived.set()
+        self._interrupt.set()
         try:
             await asyncio.wait_for(
                 asyncio.gather(self._idle.wait(), self._jobs_done.wait()), timeout_s
@@ -274,7 +308,7 @@ class Batcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for row in [*self._running, *self._queue]:  # left over when draining timed out
+        for row in [*self._running, *self._decoding, *self._queue]:  # left when draining timed out
             if not row.future.done():
                 row.future.set_exception(NotReady("the server is shutting down"))
         self._queue.clear()
@@ -282,30 +316,40 @@ class Batcher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _loop(self) -> None:
-        """Form batches forever: wait for a row, let the batch fill, run it."""
+        """Form batches forever: wait for a row, let the batch fill, run it (or step the
+        running batch, letting new rows in)."""
         while True:
             self._expire()
             self._drop_cancelled_head()
-            if not self._queue:
+            if not self._queue and not self._decoding:
                 self._idle.set()
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
-            head = self._queue[0]
-            flush_at = head.enqueued_at + self.limits.max_wait_s
-            while self._accepting and not self._select(head.key)[1]:
-                remaining = flush_at - time.perf_counter()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
-                except TimeoutError:
-                    break
+            head = self._queue[0] if self._queue else None
+            if head is not None and not self._joins_running_batch(head):
+                await self._fill_and_run(head, wait=not self._decoding)
+                continue
             self._expire()
-            rows = self._take(head.key)
-            if rows:
-                await self._run(rows)
+            await self._advance(self._take_joiners())
+
+    async def _fill_and_run(self, head: _Row, wait: bool = True) -> None:
+        """A request-level batch: wait up to `max_wait_s` for rows of `head`'s key (not while
+        a running batch is paused for it), run it."""
+        flush_at = head.enqueued_at + self.limits.max_wait_s
+        while wait and self._accepting and not self._select(head.key)[1]:
+            remaining = flush_at - time.perf_counter()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                break
+        self._expire()
+        rows = self._take(head.key)
+        if rows:
+            await self._run(rows)
 
     def _expire(self) -> None:
         """Fail the queued rows whose deadline has passed (they never reach the model)."""
@@ -337,6 +381,84 @@ class Batcher:
             chosen.append(row)
             longest = width
         return chosen, len(chosen) == self.limits.max_batch_size
+
+    def _joins_running_batch(self, row: _Row) -> bool:
+        return self._batch is not None and row.key.beam_size == 1
+
+    def _take_joiners(self) -> list[_Row]:
+        """Remove from the queue the greedy rows that fit in the running batch, oldest first."""
+        assert self._batch is not None
+        room = self.limits.max_batch_size - len(self._decoding)
+        longest = max((len(row.source) for row in self._decoding), default=0)
+        rows = len(self._decoding)
+        chosen: list[_Row] = []
+        for row in self._queue:
+            if len(chosen) == room:
+                break
+            if row.future.done() or not self._joins_running_batch(row):
+                continue
+            width = max(longest, len(row.source))
+            if rows and (rows + 1) * width > self.limits.max_batch_tokens:
+                break
+            chosen.append(row)
+            rows, longest = rows + 1, width
+        if chosen:
+            taken = set(map(id, chosen))
+            self._queue = deque(
+                row for row in self._queue if id(row) not in taken and not row.future.done()
+            )
+            metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+        return chosen
+
+    async def _advance(self, joiners: list[_Row]) -> None:
+        """Let `joiners` into the running batch and step it in the worker thread until
+        something new arrives or it is empty; finished rows are resolved as they finish."""
+        assert self._batch is not None
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        for row in joiners:
+            row.started_at = started
+            metrics.QUEUE_DURATION_SECONDS.labels(self.model).observe(started - row.enqueued_at)
+        if joiners:
+            self.counters.batches += 1
+            self.counters.rows += len(joiners)
+        self._decoding.extend(joiners)
+        self.counters.max_batch_rows = max(self.counters.max_batch_rows, len(self._decoding))
+        self._interrupt.clear()
+        try:
+            await loop.run_in_executor(self._executor, self._step_until_interrupted, joiners, loop)
+        except Exception:
+            logger.exception("model %s: the running batch of %d rows failed", self.model,
+                             len(self._batch))
+            failed = self._batch.cancel_all()  # the worker is done with it: safe here
+            for row in {id(r): r for r in [*failed, *joiners]}.values():
+                self._decoding = [r for r in self._decoding if r is not row]
+                if not row.future.done():
+                    row.future.set_exception(InternalError("inference failed"))
+
+    def _step_until_interrupted(self, joiners: list[_Row], loop: asyncio.AbstractEventLoop) -> None:
+        """Worker thread: add `joiners`, then decoder steps until interrupted or empty."""
+        batch = self._batch
+        assert batch is not None
+        if joiners:
+            batch.add([row.source for row in joiners], joiners,
+                      [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners])
+            metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
+        while len(batch):
+            finished = batch.step()
+            if finished:
+                loop.call_soon_threadsafe(self._finish, list(finished), time.perf_counter())
+            if self._interrupt.is_set():
+                return
+
+    def _finish(self, finished: list[tuple[_Row, Generated]], now: float) -> None:
+        """Event loop: resolve the futures of rows that left the running batch."""
+        done = set(map(id, (row for row, _ in finished)))
+        self._decoding = [row for row in self._decoding if id(row) not in done]
+        for row, result in finished:
+            self._observe(row, result, now - row.started_at)
+            if not row.future.done():
+                row.future.set_result(result)
 
     def _take(self, key: _Key) -> list[_Row]:
         """Remove the next batch of `key` from the queue (and rows cancelled meanwhile)."""

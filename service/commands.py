@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 # Flags of `serve` that override a `Settings` field of the same name (None = not given).
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "max_batch_size",
-    "max_batch_tokens", "max_wait_ms", "max_queue_size", "request_timeout_s",
+    "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error",
 )
@@ -35,7 +35,7 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
         "serve",
         help="serve the models of a model repository over HTTP",
         description="Serve every model folder of a model repository (translate, summarize) "
-        "with dynamic batching on onnxruntime. Every option can also be set with an "
+        "with continuous and dynamic batching on onnxruntime. Every option can also be set with an "
         "ATTNSERVE_<NAME> environment variable (e.g. ATTNSERVE_MAX_BATCH_SIZE); flags win.",
     )
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
@@ -49,6 +49,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int,
                    help="padded source tokens x beams per batch (default 8192)")
     p.add_argument("--max-wait-ms", type=float, help="longest wait for a batch (default 5)")
+    p.add_argument("--continuous-batching", action=argparse.BooleanOptionalAction,
+                   help="greedy requests join the running batch between decoder steps "
+                   "(default on; --no-continuous-batching: request-level batches only)")
     p.add_argument("--max-queue-size", type=int,
                    help="rows waiting per model before 429 (default 256)")
     p.add_argument("--request-timeout-s", type=float, help="deadline per request (default 60)")

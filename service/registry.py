@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from service import metrics
-from service.batcher import Batcher, BatchLimits, GenerateFn
+from service.batcher import Batcher, BatchLimits, GenerateFn, RunningBatchLike
 from service.errors import ModelNotFound, NotReady
 from service.settings import Settings
 
@@ -56,6 +56,8 @@ class Runtime(Protocol):
 
 Loader = Callable[[Path], Runtime]
 GeneratorFactory = Callable[[Runtime], GenerateFn]
+# runtime -> a factory of its running batch (continuous batching)
+RunningBatchFactory = Callable[[Runtime], Callable[[], RunningBatchLike]]
 
 
 def onnx_loader(settings: Settings) -> Loader:
@@ -80,6 +82,13 @@ def onnx_generator(runtime: Runtime) -> GenerateFn:
     return functools.partial(generate, runtime)  # type: ignore[arg-type]
 
 
+def onnx_running_batch(runtime: Runtime) -> Callable[[], RunningBatchLike]:
+    """`service.continuous.RunningBatch` over one runtime."""
+    from service.continuous import RunningBatch
+
+    return functools.partial(RunningBatch, runtime)  # type: ignore[arg-type]
+
+
 @dataclass
 class ModelEntry:
     """One model folder and where it stands."""
@@ -96,11 +105,13 @@ class ModelEntry:
 class ModelRegistry:
     """Loads the models in the background and hands out the ready ones."""
 
-    def __init__(self, settings: Settings, loader: Loader, generator: GeneratorFactory) -> None:
+    def __init__(self, settings: Settings, loader: Loader, generator: GeneratorFactory,
+                 running_batch: RunningBatchFactory | None = None) -> None:
         self.settings = settings
         self.draining = False
         self._loader = loader
         self._generator = generator
+        self._running_batch = running_batch if settings.continuous_batching else None
         self._entries: dict[str, ModelEntry] = {}
         self._thread: threading.Thread | None = None
         self._settled: asyncio.Event | None = None
@@ -255,7 +266,8 @@ class ModelRegistry:
             max_queue_size=settings.max_queue_size,
             retry_after_s=settings.retry_after_s,
         )
-        entry.batcher = Batcher(entry.name, generate, limits)
+        running_batch = self._running_batch(runtime) if self._running_batch else None
+        entry.batcher = Batcher(entry.name, generate, limits, running_batch)
         entry.batcher.start()
         entry.runtime = runtime
         entry.task = runtime.task

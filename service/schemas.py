@@ -202,7 +202,10 @@ class ErrorBody(BaseModel):
 class BatchCounters(BaseModel):
     """What a model's batcher has run since start."""
 
-    batches: int
+    continuous: bool = Field(
+        default=False, description="greedy rows join the running batch between decoder steps"
+    )
+    batches: int = Field(description="batches run (continuous: times rows joined the running one)")
     rows: int
     max_batch_rows: int
     cancelled: int = Field(description="streamed rows cancelled because their client left")

@@ -32,7 +32,11 @@ class Settings(BaseSettings):
     threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = onnxruntime's")
     variant: str | None = Field(default=None, description="force fp32, fp16 or int8")
 
-    # Dynamic batching.
+    # Batching: greedy rows join a running batch between decoder steps (continuous), beam
+    # rows (and all rows without it) form request-level batches (dynamic).
+    continuous_batching: bool = Field(
+        default=True, description="greedy rows join the running batch between decoder steps"
+    )
     max_batch_size: int = Field(default=32, ge=1, description="rows (texts) per batch")
     max_batch_tokens: int = Field(default=8192, ge=1, description="padded tokens x beams")
     max_wait_ms: float = Field(default=5.0, ge=0, description="longest wait to fill a batch")

@@ -31,6 +31,7 @@ def _card(entry: ModelEntry) -> ModelCard:
         max_target_len=runtime.max_target_len if runtime else None,
         error=entry.error,
         batching=BatchCounters(
+            continuous=batcher.continuous if batcher is not None else False,
             batches=counters.batches if counters else 0,
             rows=counters.rows if counters else 0,
             max_batch_rows=counters.max_batch_rows if counters else 0,

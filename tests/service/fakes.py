@@ -115,6 +115,65 @@ class FakeModel:
         return [r if r is not None else Result([], "eos") for r in results]
 
 
+@dataclass(eq=False)
+class _Member:
+    owner: Any
+    final: Result
+    hooks: Any
+    emitted: int = 0
+
+
+@dataclass
+class FakeRunningBatch:
+    """Continuous batching with the fake model's outputs: one reversed token per `step` (after
+    `step_delay_s`), rows leave when done; records the owners of every step. A source holding
+    `UNK` makes the step after it joined raise."""
+
+    step_delay_s: float = 0.0
+    steps: list[list[Any]] = field(default_factory=list)  # the owners decoding at each step
+    threads: set[str] = field(default_factory=set)
+    members: list[_Member] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
+            hooks: Sequence[Any] | None = None) -> None:
+        hooks = hooks if hooks is not None else [None] * len(sources)
+        self.members += [_Member(owner, reverse(source, limit), hook)
+                         for source, owner, limit, hook in zip(sources, owners, max_new_tokens, hooks, strict=True)]
+
+    def step(self) -> list[tuple[Any, Result]]:
+        self.threads.add(threading.current_thread().name)
+        self.steps.append([m.owner for m in self.members])
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        if any(UNK in m.owner.source for m in self.members):
+            raise RuntimeError("boom: the fake running batch fails on '#'")
+        finished, kept = [], []
+        for member in self.members:
+            tokens = member.final.tokens
+            if member.emitted == len(tokens):  # its EOS step (or nothing to say)
+                finished.append((member.owner, member.final))
+                continue
+            token, member.emitted = tokens[member.emitted], member.emitted + 1
+            if member.hooks is not None and member.hooks.on_token is not None:
+                member.hooks.on_token(token)
+            if member.emitted == len(tokens) and member.final.finish_reason == "length":
+                finished.append((member.owner, member.final))
+            elif member.hooks is not None and member.hooks.cancelled:
+                finished.append((member.owner, Result(tokens[: member.emitted], "cancelled")))
+            else:
+                kept.append(member)
+        self.members = kept
+        return finished
+
+    def cancel_all(self) -> list[Any]:
+        owners = [m.owner for m in self.members]
+        self.members = []
+        return owners
+
+
 def reverse(source: list[int], max_new_tokens: int) -> Result:
     """The fake model's output: the source (without EOS) reversed, cut at the token limit."""
     out = source[:-1][::-1]

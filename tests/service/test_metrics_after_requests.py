@@ -94,6 +94,7 @@ async def _send(models_dir: Path, model: str) -> Run:
         max_texts=2,
         max_batch_size=4,
         max_wait_ms=WAIT_MS,
+        continuous_batching=False,  # the overload step needs a batch that waits to fill
     )
     app = create_app(settings)
     templates = route_templates(app)

@@ -1,0 +1,168 @@
+"""The batcher with continuous batching: rows join the running batch between decoder steps,
+leave it as soon as they finish, and other work runs between two steps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from service.batcher import Batcher, BatchLimits, RowHooks
+from service.continuous import RunningBatch
+from service.errors import InternalError
+from service.generation import generate
+from service.runtime import ModelRuntime
+from tests.service.fakes import EOS, UNK, FakeModel, FakeRunningBatch, reverse
+
+pytestmark = pytest.mark.anyio
+
+
+def source(length: int, start: int = 4) -> list[int]:
+    return [start + i % 20 for i in range(length)] + [EOS]
+
+
+def make(name: str, running: FakeRunningBatch, model: FakeModel | None = None, **limits: float) -> Batcher:
+    model = model or FakeModel()
+    batcher = Batcher(name, model.generate, BatchLimits(**limits), lambda: running)  # type: ignore[arg-type]
+    batcher.start()
+    return batcher
+
+
+async def test_a_late_row_joins_the_running_batch_and_leaves_before_it_ends() -> None:
+    running = FakeRunningBatch(step_delay_s=0.005)
+    batcher = make("c-join", running)
+    long_task = asyncio.ensure_future(batcher.submit([source(60)], 1, 100))
+    await asyncio.sleep(0.05)  # the long row is decoding
+    short = await batcher.submit([source(3, start=30)], 1, 100)
+    assert not long_task.done()  # the short row left while the long one still decodes
+    assert short == [reverse(source(3, start=30), 100)]
+    assert await long_task == [reverse(source(60), 100)]
+    shared = [step for step in running.steps if len(step) == 2]
+    assert shared and len(shared) == 4  # 3 tokens + the EOS step, next to the long row
+    assert batcher.counters.batches == 2 and batcher.counters.max_batch_rows == 2
+    assert batcher.running == 0
+    await batcher.close(1)
+
+
+async def test_steps_run_in_the_worker_thread() -> None:
+    running = FakeRunningBatch()
+    batcher = make("c-thread", running)
+    await batcher.submit([source(3)], 1, 10)
+    assert running.threads and all(name.startswith("batch-c-thread") for name in running.threads)
+    await batcher.close(1)
+
+
+async def test_the_running_batch_holds_at_most_max_batch_size_rows() -> None:
+    running = FakeRunningBatch(step_delay_s=0.001)
+    batcher = make("c-size", running, max_batch_size=3)
+    sources = [source(n) for n in (5, 9, 2, 7, 4, 8, 3, 6, 1, 10)]
+    results = await asyncio.gather(*(batcher.submit([s], 1, 50) for s in sources))
+    assert [r[0] for r in results] == [reverse(s, 50) for s in sources]
+    assert max(len(step) for step in running.steps) == 3
+    assert batcher.counters.rows == 10
+    await batcher.close(1)
+
+
+async def test_the_token_budget_caps_the_running_batch() -> None:
+    running = FakeRunningBatch(step_delay_s=0.001)
+    batcher = make("c-tokens", running, max_batch_tokens=30)
+    await asyncio.gather(*(batcher.submit([source(9)], 1, 20) for _ in range(6)))  # 10 tokens each
+    assert max(len(step) for step in running.steps) == 3
+    await batcher.close(1)
+
+
+async def test_per_row_token_limits_share_the_running_batch() -> None:
+    running = FakeRunningBatch(step_delay_s=0.001)
+    batcher = make("c-limits", running, max_wait_s=0.05)
+    results = await asyncio.gather(batcher.submit([source(8)], 1, 3), batcher.submit([source(8)], 1, 50))
+    assert results == [[reverse(source(8), 3)], [reverse(source(8), 50)]]
+    assert results[0][0].finish_reason == "length" and results[1][0].finish_reason == "eos"
+    assert any(len(step) == 2 for step in running.steps)
+    await batcher.close(1)
+
+
+async def test_beam_rows_run_between_two_steps_of_the_running_batch() -> None:
+    running = FakeRunningBatch(step_delay_s=0.005)
+    model = FakeModel()
+    batcher = make("c-beam", running, model)
+    long_task = asyncio.ensure_future(batcher.submit([source(60)], 1, 100))
+    await asyncio.sleep(0.05)
+    beam = await batcher.submit([source(4)], 3, 100)
+    assert not long_task.done() and beam == [reverse(source(4), 100)]
+    assert model.batches == [[5]]  # the beam row went to the request-level generate
+    await long_task
+    await batcher.close(1)
+
+
+async def test_other_work_runs_between_two_steps() -> None:
+    running = FakeRunningBatch(step_delay_s=0.005)
+    batcher = make("c-run", running)
+    long_task = asyncio.ensure_future(batcher.submit([source(60)], 1, 100))
+    await asyncio.sleep(0.05)
+    assert await batcher.run(threading.current_thread) is not threading.current_thread()
+    assert not long_task.done()
+    await long_task
+    await batcher.close(1)
+
+
+async def test_a_failing_step_fails_its_rows_and_the_next_rows_are_served() -> None:
+    running = FakeRunningBatch(step_delay_s=0.002)
+    batcher = make("c-fail", running)
+    healthy = asyncio.ensure_future(batcher.submit([source(30)], 1, 100))
+    await asyncio.sleep(0.02)
+    with pytest.raises(InternalError):
+        await batcher.submit([[4, UNK, 5, EOS]], 1, 100)
+    with pytest.raises(InternalError):  # it shared the failing step
+        await healthy
+    assert len(running) == 0 and batcher.running == 0
+    assert await batcher.submit([source(3)], 1, 10) == [reverse(source(3), 10)]
+    await batcher.close(1)
+
+
+async def test_a_cancelled_streamed_row_leaves_at_the_next_step() -> None:
+    running = FakeRunningBatch(step_delay_s=0.005)
+    batcher = make("c-cancel", running)
+    tokens: list[int] = []
+    hooks = RowHooks(on_token=tokens.append)
+    [future] = batcher.enqueue([source(60)], 1, 100, hooks=[hooks])
+    other = asyncio.ensure_future(batcher.submit([source(60, start=5)], 1, 100))
+    while len(tokens) < 3:
+        await asyncio.sleep(0.005)
+    assert batcher.cancel(future) == "decoding"
+    await asyncio.sleep(0.05)
+    assert all(row.future is not future for step in running.steps[-3:] for row in step)
+    assert batcher.counters.cancelled == 1 and batcher.running == 1
+    await other
+    await batcher.close(1)
+
+
+async def test_close_lets_the_running_batch_finish() -> None:
+    running = FakeRunningBatch(step_delay_s=0.002)
+    batcher = make("c-close", running)
+    task = asyncio.ensure_future(batcher.submit([source(20)], 1, 100))
+    await asyncio.sleep(0.01)
+    await batcher.close(5)
+    assert await task == [reverse(source(20), 100)]
+
+
+async def test_onnx_rows_arriving_at_random_times_get_their_solo_tokens(tiny_runtime: ModelRuntime,
+                                                                         trained_tiny) -> None:
+    """The real running batch behind the batcher: each row decodes what it decodes alone."""
+    batcher = Batcher("c-onnx", lambda *a, **k: generate(tiny_runtime, *a, **k), BatchLimits(max_batch_size=5),
+                      lambda: RunningBatch(tiny_runtime))
+    batcher.start()
+    sources = [s + [EOS] for s in trained_tiny.valid.sources[:16]]
+
+    async def later(index: int, source_ids: list[int]):
+        await asyncio.sleep(0.002 * (index % 7))
+        return (await batcher.submit([source_ids], 1, 12))[0]
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(later(i, s) for i, s in enumerate(sources)))
+    assert time.perf_counter() - started < 30
+    for result, source_ids in zip(results, sources, strict=True):
+        assert result.tokens == generate(tiny_runtime, [source_ids], 1, 12)[0].tokens
+    assert batcher.counters.rows == 16 and batcher.counters.max_batch_rows <= 5
+    await batcher.close(1)
