@@ -21,7 +21,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p = subcommands.add_parser(
         "bench", help="benchmark the service against in-process ONNX, naive PyTorch and CTranslate2",
         description="Run the fixed workload (translation and summarization test inputs) against the "
-        "service over HTTP (batching on/off, closed and open loop), the ONNX models in-process, a naive "
+        "service over HTTP (continuous, dynamic and no batching; closed and open loop), the ONNX models in-process, a naive "
         "one-request-at-a-time PyTorch server and CTranslate2 on the same weights; write "
         "<out>/<name>.json, .md and one PNG per task.")
     p.add_argument("--models", type=Path, default=Path("models"), help="model repository (default ./models)")

@@ -1,4 +1,4 @@
-"""One invocation, every system: service over HTTP (batching on/off, closed and open loop), the
+"""One invocation, every system: service over HTTP (continuous, dynamic and no batching; closed and open loop), the
 ONNX models in-process, the naive PyTorch server, and CTranslate2 on the same weights.
 
 Each task's model folder under `--models` is benchmarked on the first N inputs of
@@ -81,11 +81,13 @@ def _stats(result: loadgen.LoadResult, **extra: Any) -> dict[str, Any]:
 
 
 def run_service(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any]) -> None:
-    """`attnserve serve` with batching on, then off: closed loop at each concurrency, then open loop."""
+    """`attnserve serve` with request-level (dynamic) batching, continuous batching, then none:
+    closed loop at each concurrency, then open loop. The open loop's rate (unless given) is 70%
+    of the dynamic server's best closed-loop throughput, a load both batching modes sustain."""
     rates: dict[str, float] = {}
-    for mode, batching in (("batching_on", True), ("batching_off", False)):
+    for mode in ("dynamic", "continuous", "batching_off"):
         port = free_port()
-        command = service_command(config.models_dir, port, batching, config.threads, config.providers)
+        command = service_command(config.models_dir, port, mode, config.threads, config.providers)
         server = ServerProcess(command, port,
                                config.out_dir / "logs" / f"{config.name}-service-{mode}.log",
                                env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})

@@ -73,7 +73,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot(task_results: dict[str, Any], title: str, path: Path) -> Path:
-    """Throughput vs concurrency (service batching on/off, baselines as lines) and latency
+    """Throughput vs concurrency (service continuous/dynamic/no batching, baselines as lines) and latency
     percentiles vs concurrency, side by side, as a PNG."""
     import matplotlib
 
@@ -82,7 +82,7 @@ def plot(task_results: dict[str, Any], title: str, path: Path) -> Path:
 
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(12, 4.5))
     service = task_results.get("service", {})
-    for mode, style in (("batching_on", "-"), ("batching_off", "--")):
+    for mode, style in (("continuous", "-"), ("dynamic", "-."), ("batching_off", "--")):
         closed = service.get(mode, {}).get("closed", {})
         levels = sorted((int(k[1:]), v) for k, v in closed.items() if v.get("latency_p50_s") is not None)
         if not levels:

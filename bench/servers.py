@@ -1,6 +1,6 @@
 """Start a server as a subprocess on a free loopback port, wait until it is ready, stop it.
 
-`attnserve serve` (batching on or off) and the naive PyTorch server run this way, so each one's
+`attnserve serve` (each batching mode) and the naive PyTorch server run this way, so each one's
 memory is its own process's and the load generator shares no interpreter with it.
 """
 
@@ -24,7 +24,12 @@ from bench.rss import PeakRss
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-BATCHING_OFF = {"max_batch_size": 1, "max_wait_ms": 0}
+# The service's batching modes: extra `attnserve serve` flags of each.
+SERVICE_MODES: dict[str, list[str]] = {
+    "continuous": [],  # the default: greedy rows join the running batch between decoder steps
+    "dynamic": ["--no-continuous-batching"],  # request-level batches only
+    "batching_off": ["--no-continuous-batching", "--max-batch-size", "1", "--max-wait-ms", "0"],
+}
 
 
 def free_port() -> int:
@@ -34,17 +39,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def service_command(models_dir: Path, port: int, batching: bool, threads: int = 0,
+def service_command(models_dir: Path, port: int, mode: str = "continuous", threads: int = 0,
                     providers: Sequence[str] = ("CPUExecutionProvider",), max_queue_size: int = 2048) -> list[str]:
-    """The `attnserve serve` command line; batching off = one row per batch, no wait."""
+    """The `attnserve serve` command line in one of `SERVICE_MODES` (batching off = one row per
+    batch, no wait)."""
     command = [sys.executable, "-m", "service.cli", "--log-level", "WARNING", "serve",
                "--models", str(models_dir), "--host", HOST, "--port", str(port),
                "--providers", ",".join(providers), "--threads", str(threads),
                "--max-queue-size", str(max_queue_size)]
-    if not batching:
-        command += ["--max-batch-size", str(BATCHING_OFF["max_batch_size"]),
-                    "--max-wait-ms", str(BATCHING_OFF["max_wait_ms"])]
-    return command
+    return command + SERVICE_MODES[mode]
 
 
 class ServerProcess:

@@ -12,12 +12,14 @@ without reaching the model. Other work on the model (attention
 maps) runs in the same worker thread between batches, through `run`.
 
 Continuous batching (given a `running_batch` factory, `service.continuous.RunningBatch`):
-greedy rows do not wait for a batch to end. They join the running batch at its next decoder
-step (up to `max_batch_size` rows and `max_batch_tokens` padded source tokens in it) and leave
-it, their futures resolved, as soon as they finish. The worker thread steps the running batch
-until something new arrives (a row, a `run` call, shutdown), then the loop lets the newcomers
-in and resumes it. A new running batch starts at once: there is no `max_wait_s` to wait, as
-later rows join at the next step. Beam-search rows still form request-level batches, run
+greedy rows do not wait for a batch to end. They join the running batch between two decoder
+steps (up to `max_batch_size` rows and `max_batch_tokens` padded source tokens in it) and leave
+it, their futures resolved, as soon as they finish. A join costs an encoder call and a copy of
+the batch's cache, so rows join in groups: at once while the batch holds fewer than
+`join_rows` rows, else when `join_rows` rows wait (or all the room left), or when the oldest
+has waited `max_join_wait_s`. The worker thread steps the running batch until something new
+arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
+running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
 between two steps of the running batch when they are the oldest queued rows.
 
 A streamed row carries `RowHooks`: the generation function calls `on_token` (in the worker
@@ -93,6 +95,7 @@ class BatchLimits:
     max_batch_size: int = 32
     max_batch_tokens: int = 8192
     max_wait_s: float = 0.005
+    max_join_wait_s: float = 0.1  # continuous batching: longest wait to join in a group
     max_queue_size: int = 256
     retry_after_s: int = 1
 
@@ -140,6 +143,9 @@ class Batcher:
         # continuous batching of greedy rows; touched only in the worker thread while it steps
         self._batch = running_batch() if running_batch is not None else None
         self._interrupt = threading.Event()  # tells the worker to hand back between two steps
+        self._inbox: list[_Row] = []  # rows admitted to the running batch, not yet added by the worker
+        self._inbox_lock = threading.Lock()
+        self._stepping: asyncio.Future[None] | None = None  # the worker stepping the running batch
         self._queue: deque[_Row] = deque()
         self._running: list[_Row] = []  # the request-level batch now generating
         self._decoding: list[_Row] = []  # the rows of the running batch (continuous batching)
@@ -230,7 +236,6 @@ class Batcher:
         metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
         self._idle.clear()
         self._arrived.set()
-        self._interrupt.set()
         return [row.future for row in rows]
 
     def cancel(self, future: asyncio.Future[Generated]) -> str | None:
@@ -316,22 +321,28 @@ class Batcher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _loop(self) -> None:
-        """Form batches forever: wait for a row, let the batch fill, run it (or step the
-        running batch, letting new rows in)."""
+        """Form batches forever: wait for a row, let the batch fill, run it; or admit rows to
+        the running batch and keep the worker stepping it."""
         while True:
             self._expire()
             self._drop_cancelled_head()
-            if not self._queue and not self._decoding:
+            stepping = self._stepping is not None and not self._stepping.done()
+            if not self._queue and not self._decoding and not stepping:
                 self._idle.set()
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
             head = self._queue[0] if self._queue else None
             if head is not None and not self._joins_running_batch(head):
+                if stepping:  # pause the running batch between two steps
+                    self._interrupt.set()
+                    await self._stop_stepping()
                 await self._fill_and_run(head, wait=not self._decoding)
                 continue
-            self._expire()
-            await self._advance(self._take_joiners())
+            self._admit(self._take_joiners())
+            if self._decoding and not stepping:
+                self._start_stepping()
+            await self._wait_for_news()
 
     async def _fill_and_run(self, head: _Row, wait: bool = True) -> None:
         """A request-level batch: wait up to `max_wait_s` for rows of `head`'s key (not while
@@ -385,8 +396,14 @@ class Batcher:
     def _joins_running_batch(self, row: _Row) -> bool:
         return self._batch is not None and row.key.beam_size == 1
 
+    @property
+    def join_rows(self) -> int:
+        """Rows that join the running batch in one group (a quarter of `max_batch_size`)."""
+        return max(1, self.limits.max_batch_size // 4)
+
     def _take_joiners(self) -> list[_Row]:
-        """Remove from the queue the greedy rows that fit in the running batch, oldest first."""
+        """Remove from the queue the greedy rows that fit in the running batch, oldest first,
+        when they may join now (see the module's docstring); else none."""
         assert self._batch is not None
         room = self.limits.max_batch_size - len(self._decoding)
         longest = max((len(row.source) for row in self._decoding), default=0)
@@ -402,6 +419,10 @@ class Batcher:
                 break
             chosen.append(row)
             rows, longest = rows + 1, width
+        waited = time.perf_counter() - chosen[0].enqueued_at if chosen else 0.0
+        if chosen and len(self._decoding) >= self.join_rows and len(chosen) < self.join_rows \
+                and waited < self.limits.max_join_wait_s:
+            return []  # let a group form
         if chosen:
             taken = set(map(id, chosen))
             self._queue = deque(
@@ -410,46 +431,84 @@ class Batcher:
             metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
         return chosen
 
-    async def _advance(self, joiners: list[_Row]) -> None:
-        """Let `joiners` into the running batch and step it in the worker thread until
-        something new arrives or it is empty; finished rows are resolved as they finish."""
-        assert self._batch is not None
-        loop = asyncio.get_running_loop()
+    def _admit(self, joiners: list[_Row]) -> None:
+        """Hand `joiners` to the worker: it adds them to the running batch before its next step."""
+        if not joiners:
+            return
         started = time.perf_counter()
         for row in joiners:
             row.started_at = started
             metrics.QUEUE_DURATION_SECONDS.labels(self.model).observe(started - row.enqueued_at)
-        if joiners:
-            self.counters.batches += 1
-            self.counters.rows += len(joiners)
+        self.counters.batches += 1
+        self.counters.rows += len(joiners)
         self._decoding.extend(joiners)
         self.counters.max_batch_rows = max(self.counters.max_batch_rows, len(self._decoding))
+        with self._inbox_lock:
+            self._inbox.extend(joiners)
+
+    def _start_stepping(self) -> None:
+        loop = asyncio.get_running_loop()
         self._interrupt.clear()
+        self._stepping = asyncio.ensure_future(
+            loop.run_in_executor(self._executor, self._step_until_interrupted, loop))
+
+    async def _stop_stepping(self) -> None:
+        """Wait for the worker to hand back; fail every row of the running batch if it raised."""
+        if self._stepping is None:
+            return
+        stepping, self._stepping = self._stepping, None
         try:
-            await loop.run_in_executor(self._executor, self._step_until_interrupted, joiners, loop)
+            await stepping
         except Exception:
             logger.exception("model %s: the running batch of %d rows failed", self.model,
-                             len(self._batch))
-            failed = self._batch.cancel_all()  # the worker is done with it: safe here
-            for row in {id(r): r for r in [*failed, *joiners]}.values():
-                self._decoding = [r for r in self._decoding if r is not row]
+                             len(self._decoding))
+            assert self._batch is not None
+            self._batch.cancel_all()  # the worker is done with it: safe here
+            with self._inbox_lock:
+                self._inbox.clear()
+            failed, self._decoding = self._decoding, []
+            for row in failed:
                 if not row.future.done():
                     row.future.set_exception(InternalError("inference failed"))
 
-    def _step_until_interrupted(self, joiners: list[_Row], loop: asyncio.AbstractEventLoop) -> None:
-        """Worker thread: add `joiners`, then decoder steps until interrupted or empty."""
+    async def _wait_for_news(self) -> None:
+        """Sleep until a row arrives, a row finishes, the worker hands back, or the oldest
+        greedy row waiting for a group may join."""
+        timeout = None
+        if len(self._decoding) < self.limits.max_batch_size:
+            oldest = next((r for r in self._queue if self._joins_running_batch(r)
+                           and not r.future.done()), None)
+            join_at = oldest.enqueued_at + self.limits.max_join_wait_s if oldest else 0.0
+            if join_at > time.perf_counter():  # past it, it waits for room: a finish wakes us
+                timeout = join_at - time.perf_counter()
+        self._arrived.clear()
+        arrived = asyncio.ensure_future(self._arrived.wait())
+        waiting: set[asyncio.Future[Any]] = {arrived}
+        if self._stepping is not None:
+            waiting.add(self._stepping)
+        try:
+            await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            arrived.cancel()
+        if self._stepping is not None and self._stepping.done():
+            await self._stop_stepping()
+
+    def _step_until_interrupted(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Worker thread: add the rows handed over, step; until interrupted or empty."""
         batch = self._batch
         assert batch is not None
-        if joiners:
-            batch.add([row.source for row in joiners], joiners,
-                      [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners])
-            metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
-        while len(batch):
+        while True:
+            with self._inbox_lock:
+                joiners, self._inbox = self._inbox, []
+            if joiners:
+                batch.add([row.source for row in joiners], joiners,
+                          [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners])
+                metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
+            if not len(batch) or self._interrupt.is_set():
+                return
             finished = batch.step()
             if finished:
                 loop.call_soon_threadsafe(self._finish, list(finished), time.perf_counter())
-            if self._interrupt.is_set():
-                return
 
     def _finish(self, finished: list[tuple[_Row, Generated]], now: float) -> None:
         """Event loop: resolve the futures of rows that left the running batch."""
@@ -459,6 +518,7 @@ class Batcher:
             self._observe(row, result, now - row.started_at)
             if not row.future.done():
                 row.future.set_result(result)
+        self._arrived.set()  # room in the running batch: the loop may admit waiting rows
 
     def _take(self, key: _Key) -> list[_Row]:
         """Remove the next batch of `key` from the queue (and rows cancelled meanwhile)."""

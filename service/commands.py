@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 # Flags of `serve` that override a `Settings` field of the same name (None = not given).
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "max_batch_size",
-    "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "request_timeout_s",
+    "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching",
+    "max_join_wait_ms", "spinning", "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error",
 )
@@ -45,13 +46,19 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    "in order of preference (default CUDAExecutionProvider,CPUExecutionProvider)")
     p.add_argument("--threads", type=int, help="intra-op threads per session (0 = default)")
     p.add_argument("--variant", help="force a model variant (fp32, fp16, int8)")
-    p.add_argument("--max-batch-size", type=int, help="rows per batch (default 32)")
+    p.add_argument("--spinning", action=argparse.BooleanOptionalAction,
+                   help="let onnxruntime's idle threads spin between calls (default off: they "
+                   "sleep, leaving the cores to the HTTP event loop)")
+    p.add_argument("--max-batch-size", type=int, help="rows per batch (default 64)")
     p.add_argument("--max-batch-tokens", type=int,
-                   help="padded source tokens x beams per batch (default 8192)")
+                   help="padded source tokens x beams per batch (default 16384)")
     p.add_argument("--max-wait-ms", type=float, help="longest wait for a batch (default 5)")
     p.add_argument("--continuous-batching", action=argparse.BooleanOptionalAction,
                    help="greedy requests join the running batch between decoder steps "
                    "(default on; --no-continuous-batching: request-level batches only)")
+    p.add_argument("--max-join-wait-ms", type=float,
+                   help="continuous batching: longest wait to join the running batch in a "
+                   "group of a quarter of --max-batch-size (default 100)")
     p.add_argument("--max-queue-size", type=int,
                    help="rows waiting per model before 429 (default 256)")
     p.add_argument("--request-timeout-s", type=float, help="deadline per request (default 60)")

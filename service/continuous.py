@@ -47,11 +47,19 @@ class _Member(Generic[Owner]):
 
 
 class RunningBatch(Generic[Owner]):
-    """The rows decoding together; `add` rows, call `step` until it is empty."""
+    """The rows decoding together; `add` rows, call `step` until it is empty.
 
-    def __init__(self, runtime: Runtime) -> None:
+    A finished row leaves the results at once but its slot stays in the arrays (decoding
+    padding, its outputs ignored) until the next `add` or until a quarter of the slots are
+    dead: then one copy compacts the batch, trims unused columns and appends the newcomers.
+    That keeps the full-cache copies to about one per join instead of one per finished row.
+    """
+
+    def __init__(self, runtime: Runtime, compact_fraction: float = 0.25, padding_slack: float = 1.25) -> None:
         self.runtime = runtime
-        self._members: list[_Member[Owner]] = []
+        self.compact_fraction = compact_fraction
+        self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
+        self._members: list[_Member[Owner] | None] = []  # None: a dead slot
         self._source_mask = np.zeros((0, 0), dtype=bool)  # (B, S) True on real source tokens
         self._cross_keys: list[np.ndarray] = []  # per decoder layer (B, h, S, d)
         self._cross_values: list[np.ndarray] = []
@@ -62,12 +70,18 @@ class RunningBatch(Generic[Owner]):
         self._last = np.zeros(0, dtype=np.int64)  # (B,) each row's next input token
 
     def __len__(self) -> int:
+        """Rows still decoding (dead slots excluded)."""
+        return sum(member is not None for member in self._members)
+
+    @property
+    def slots(self) -> int:
+        """Rows of the arrays, dead slots included."""
         return len(self._members)
 
     @property
     def owners(self) -> list[Owner]:
-        """The owner of each row, in batch order."""
-        return [member.owner for member in self._members]
+        """The owner of each live row, in batch order."""
+        return [member.owner for member in self._members if member is not None]
 
     @property
     def source_len(self) -> int:
@@ -94,115 +108,141 @@ class RunningBatch(Generic[Owner]):
         if any(not source for source in sources) or min(max_new_tokens) < 1:
             raise ValueError("every source needs its EOS and max_new_tokens >= 1")
         hooks = hooks if hooks is not None else [None] * len(sources)
-        state = self.runtime.encode(self.runtime.pad(list(sources)))
-        self._join_state(state)
-        self._join_cache(len(sources))
-        self._members += [_Member(owner, limit, hook)
-                          for owner, limit, hook in zip(owners, max_new_tokens, hooks, strict=True)]
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+        groups = _length_groups([len(sources[i]) for i in order], self.padding_slack)
+        states = [self.runtime.encode(self.runtime.pad([sources[order[i]] for i in group])) for group in groups]
+        self._rebuild(states)
+        self._members += [_Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
 
     def step(self) -> list[tuple[Owner, GenerationResult]]:
         """One decoder step for every row; returns the rows that finished (they have left)."""
-        if not self._members:
+        if not len(self):
             return []
-        batch = len(self._members)
+        batch = self.slots
         target_mask = np.concatenate([self._target_mask, np.ones((batch, 1), dtype=bool)], axis=1)
-        state = EncoderState(self._source_mask, list(self._cross_keys), list(self._cross_values))
-        cache = KVCache(list(self._keys), list(self._values))
+        state = EncoderState(self._source_mask, self._cross_keys, self._cross_values)
+        cache = KVCache(self._keys, self._values)
         out = self.runtime.decode(self._last[:, None], state, cache,
                                   positions=self._positions[:, None], target_mask=target_mask)
         log_probs = log_softmax(out.logits[:, -1])  # (B, V)
         best = log_probs.argmax(axis=-1)  # (B,)
         chosen = log_probs[np.arange(batch), best]  # (B,)
         finished: list[tuple[Owner, GenerationResult]] = []
-        keep: list[int] = []
         eos = self.runtime.eos_id
         for i, member in enumerate(self._members):
+            if member is None:
+                continue
             token = int(best[i])
             member.score += float(chosen[i])
+            reason = None
             if token == eos:
-                finished.append((member.owner, GenerationResult(member.tokens, "eos", member.score)))
-                continue
-            member.tokens.append(token)
-            if member.hooks is not None and member.hooks.on_token is not None:
-                member.hooks.on_token(token)
-            if len(member.tokens) >= member.max_new_tokens:
-                finished.append((member.owner, GenerationResult(member.tokens, "length", member.score)))
-            elif member.hooks is not None and member.hooks.cancelled:
-                finished.append((member.owner, GenerationResult(member.tokens, "cancelled", member.score)))
+                reason = "eos"
             else:
-                keep.append(i)
+                member.tokens.append(token)
+                if member.hooks is not None and member.hooks.on_token is not None:
+                    member.hooks.on_token(token)
+                if len(member.tokens) >= member.max_new_tokens:
+                    reason = "length"
+                elif member.hooks is not None and member.hooks.cancelled:
+                    reason = "cancelled"
+            if reason is not None:
+                finished.append((member.owner, GenerationResult(member.tokens, reason, member.score)))
+                self._members[i] = None
         self._keys = [to_numpy(k) for k in out.cache.keys]
         self._values = [to_numpy(v) for v in out.cache.values]
         self._target_mask = target_mask
         self._positions = self._positions + 1
         self._last = best.astype(np.int64)
-        if len(keep) < batch:
-            self._keep(np.asarray(keep, dtype=np.int64))
+        live = len(self)
+        if not live:
+            self._members = []
+        elif self.slots - live > self.compact_fraction * self.slots:
+            self._rebuild([])
         return finished
 
     def cancel_all(self) -> list[Owner]:
         """Drop every row (the batch failed); returns their owners."""
         owners = self.owners
-        self._keep(np.zeros(0, dtype=np.int64))
+        self._members = []
         return owners
 
-    # -- joining and leaving ---------------------------------------------------------------
+    def _rebuild(self, newcomers: list[EncoderState]) -> None:
+        """One copy of every array: live rows kept, columns no live row uses trimmed, the
+        newcomers (encoded in groups) appended: cross keys/values padded to the longest source,
+        cache positions masked, position 0, BOS."""
+        keep = np.asarray([i for i, m in enumerate(self._members) if m is not None], dtype=np.int64)
+        self._members = [m for m in self._members if m is not None]
+        kept = len(keep)
+        count = sum(state.source_mask.shape[0] for state in newcomers)
+        rows = kept + count
+        if kept:  # cache columns from the oldest live row's first position, source to the longest
+            used = np.flatnonzero(self._target_mask[keep].any(axis=0))
+            first = int(used[0]) if used.size else self.cache_len
+            used_source = np.flatnonzero(self._source_mask[keep].any(axis=0))
+            end = int(used_source[-1]) + 1 if used_source.size else 0
+        else:
+            first, end = self.cache_len, 0
+        past = self.cache_len - first if kept else 0
+        source_len = max([end, *(state.source_mask.shape[1] for state in newcomers)])
+        new_cross = [([to_numpy(k) for k in state.cross_keys], [to_numpy(v) for v in state.cross_values])
+                     for state in newcomers]
+        template = self._cross_keys[0] if self._cross_keys else new_cross[0][0][0]
+        layers = len(self._cross_keys) if self._cross_keys else len(new_cross[0][0])
+        heads, head_dim = template.shape[1], template.shape[3]
+        cache_dtype = self._keys[0].dtype if self._keys else self.runtime.cache_dtype  # type: ignore[attr-defined]
 
-    def _join_state(self, state: EncoderState) -> None:
-        """Append the newcomers' encoder state, padding both sides to the longer source."""
-        new_keys = [to_numpy(k) for k in state.cross_keys]
-        new_values = [to_numpy(v) for v in state.cross_values]
-        if not self._members:
-            self._source_mask, self._cross_keys, self._cross_values = state.source_mask, new_keys, new_values
-            return
-        length = max(self.source_len, state.source_mask.shape[1])
-        self._source_mask = np.concatenate(
-            [_pad_axis(self._source_mask, 1, length), _pad_axis(state.source_mask, 1, length)])
-        self._cross_keys = [np.concatenate([_pad_axis(old, 2, length), _pad_axis(new, 2, length)])
-                            for old, new in zip(self._cross_keys, new_keys, strict=True)]
-        self._cross_values = [np.concatenate([_pad_axis(old, 2, length), _pad_axis(new, 2, length)])
-                              for old, new in zip(self._cross_values, new_values, strict=True)]
+        def gather(old: np.ndarray | None, new: list[np.ndarray], length: int, start: int,
+                   dtype: np.dtype) -> np.ndarray:
+            """(rows, h, length, d): kept rows' columns start..start+length, then each `new`."""
+            out = np.zeros((rows, heads, length, head_dim), dtype=dtype)
+            if kept and old is not None:
+                part = old[:, :, start:start + length]  # (B, h, <= length, d)
+                if part.shape[2] == length:  # straight into place, no temporary
+                    np.take(part, keep, axis=0, out=out[:kept])
+                else:
+                    out[:kept, :, : part.shape[2]] = part[keep]
+            row = kept
+            for array in new:
+                out[row:row + array.shape[0], :, : array.shape[2]] = array
+                row += array.shape[0]
+            return out
 
-    def _join_cache(self, count: int) -> None:
-        """Give the newcomers `cache_len` masked cache positions, position 0 and BOS."""
-        past = self.cache_len if self._members else 0
-        runtime = self.runtime
-        if not self._members:
-            empty = runtime.empty_cache(count)  # type: ignore[attr-defined]
-            self._keys, self._values = [to_numpy(k) for k in empty.keys], [to_numpy(v) for v in empty.values]
-            self._target_mask = np.zeros((count, 0), dtype=bool)
-            self._positions = np.zeros(count, dtype=np.int64)
-            self._last = np.full(count, runtime.bos_id, dtype=np.int64)
-            return
-        blank = np.zeros((count, *self._keys[0].shape[1:]), dtype=self._keys[0].dtype)  # (n, h, P, d)
-        self._keys = [np.concatenate([k, blank]) for k in self._keys]
-        self._values = [np.concatenate([v, blank]) for v in self._values]
-        self._target_mask = np.concatenate([self._target_mask, np.zeros((count, past), dtype=bool)])
-        self._positions = np.concatenate([self._positions, np.zeros(count, dtype=np.int64)])
-        self._last = np.concatenate([self._last, np.full(count, runtime.bos_id, dtype=np.int64)])
-
-    def _keep(self, rows: np.ndarray) -> None:
-        """Keep only `rows`; trim cache and source columns no kept row uses."""
-        self._members = [self._members[i] for i in rows.tolist()]
-        target_mask, source_mask = self._target_mask[rows], self._source_mask[rows]
-        used = np.flatnonzero(target_mask.any(axis=0))
-        first = int(used[0]) if used.size else target_mask.shape[1]  # older columns: rows that left
-        used_source = np.flatnonzero(source_mask.any(axis=0))
-        end = int(used_source[-1]) + 1 if used_source.size else 0  # later columns: padding only
-        self._target_mask = target_mask[:, first:]
-        self._source_mask = source_mask[:, :end]
-        self._keys = [np.ascontiguousarray(k[rows, :, first:]) for k in self._keys]
-        self._values = [np.ascontiguousarray(v[rows, :, first:]) for v in self._values]
-        self._cross_keys = [np.ascontiguousarray(k[rows, :, :end]) for k in self._cross_keys]
-        self._cross_values = [np.ascontiguousarray(v[rows, :, :end]) for v in self._cross_values]
-        self._positions, self._last = self._positions[rows], self._last[rows]
+        old_keys = self._cross_keys if kept else [None] * layers
+        old_values = self._cross_values if kept else [None] * layers
+        self._cross_keys = [gather(old_keys[i], [c[0][i] for c in new_cross], source_len, 0, template.dtype)
+                            for i in range(layers)]
+        self._cross_values = [gather(old_values[i], [c[1][i] for c in new_cross], source_len, 0, template.dtype)
+                              for i in range(layers)]
+        self._keys = [gather(k if kept else None, [], past, first, cache_dtype)
+                      for k in (self._keys or [None] * layers)]
+        self._values = [gather(v if kept else None, [], past, first, cache_dtype)
+                        for v in (self._values or [None] * layers)]
+        source_mask = np.zeros((rows, source_len), dtype=bool)
+        target_mask = np.zeros((rows, past), dtype=bool)
+        if kept:
+            source_mask[:kept, :end] = self._source_mask[keep, :end]
+            target_mask[:kept] = self._target_mask[keep, first:]
+        row = kept
+        for state in newcomers:
+            source_mask[row:row + state.source_mask.shape[0], : state.source_mask.shape[1]] = state.source_mask
+            row += state.source_mask.shape[0]
+        self._source_mask, self._target_mask = source_mask, target_mask
+        self._positions = np.concatenate([self._positions[keep], np.zeros(count, dtype=np.int64)])
+        self._last = np.concatenate([self._last[keep], np.full(count, self.runtime.bos_id, dtype=np.int64)])
 
 
-def _pad_axis(array: np.ndarray, axis: int, length: int) -> np.ndarray:
-    """`array` zero/False-padded at the end of `axis` to `length`."""
-    missing = length - array.shape[axis]
-    if missing <= 0:
-        return array
-    widths = [(0, 0)] * array.ndim
-    widths[axis] = (0, missing)
-    return np.pad(array, widths)
+def _length_groups(lengths: list[int], slack: float) -> list[list[int]]:
+    """Split positions of ascending `lengths` into runs whose padded size (rows x longest) stays
+    within `slack` x their real tokens: one encoder call per run, little padding."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for index, length in enumerate(lengths):
+        if current and (len(current) + 1) * length > slack * (real + length):
+            groups.append(current)
+            current, real = [], 0
+        current.append(index)
+        real += length
+    if current:
+        groups.append(current)
+    return groups

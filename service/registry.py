@@ -68,7 +68,7 @@ def onnx_loader(settings: Settings) -> Loader:
 
         runtime: Runtime = ModelRuntime.load(
             path, providers=list(settings.providers), threads=settings.threads,
-            variant=settings.variant,
+            variant=settings.variant, spinning=settings.spinning,
         )
         return runtime
 
@@ -263,6 +263,7 @@ class ModelRegistry:
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             max_wait_s=settings.max_wait_ms / 1000,
+            max_join_wait_s=settings.max_join_wait_ms / 1000,
             max_queue_size=settings.max_queue_size,
             retry_after_s=settings.retry_after_s,
         )

@@ -164,12 +164,15 @@ class ModelRuntime:
         model_dir: str | Path,
         providers: Sequence[str] = DEFAULT_PROVIDERS,
         threads: int = 0,
+        spinning: bool = True,
         variant: str | None = None,
         io_binding: bool | None = None,
     ) -> ModelRuntime:
         """Read the manifest, verify every file's sha256, pick provider and variant, build sessions.
 
         `threads` sets each session's intra-op threads (0: onnxruntime's default, one per core);
+        `spinning` False lets idle intra-op threads sleep rather than spin between calls (a
+        server's event loop needs those cycles: bench/results/cpu measures both);
         `variant` forces a variant (even one not marked servable); by default the first servable
         one of `VARIANT_PREFERENCE` for the provider in use. `io_binding` keeps the KV cache on
         the session's device between decoder steps; None: `AUTO_IO_BINDING` of the provider.
@@ -192,7 +195,7 @@ class ModelRuntime:
             if chosen is None:
                 logger.info("%s: no servable variant for %s", manifest.name, provider)
                 continue
-            encoder, decoder = _sessions(directory, manifest.variants[chosen], provider, threads)
+            encoder, decoder = _sessions(directory, manifest.variants[chosen], provider, threads, spinning)
             if encoder.get_providers()[0] != provider:  # e.g. CUDA listed but its libraries missing
                 logger.warning("%s: %s did not start, trying the next provider", manifest.name, provider)
                 continue
@@ -416,11 +419,14 @@ def _choose_variant(manifest: Manifest, provider: str, forced: str | None) -> st
     return None
 
 
-def _sessions(directory: Path, variant: Variant, provider: str, threads: int) -> tuple[ort.InferenceSession, ...]:
+def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
+              spinning: bool = True) -> tuple[ort.InferenceSession, ...]:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1  # sequential executor: one graph call uses intra-op threads only
+    if not spinning:  # idle intra-op threads sleep instead of busy-waiting for the next call
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = [provider] if provider == CPU else [provider, CPU]
     buffers = [packed_weights.read_unpacked(directory / path) for path in variant.packed_weights]
     if buffers:  # both graphs read them by their unpacked name, relative to the graph's folder

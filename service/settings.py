@@ -31,15 +31,23 @@ class Settings(BaseSettings):
     providers: Annotated[tuple[str, ...], NoDecode] = DEFAULT_PROVIDERS
     threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = onnxruntime's")
     variant: str | None = Field(default=None, description="force fp32, fp16 or int8")
+    spinning: bool = Field(
+        default=False, description="onnxruntime's idle intra-op threads spin (else they sleep "
+        "and leave the cores to the event loop)",
+    )
 
     # Batching: greedy rows join a running batch between decoder steps (continuous), beam
     # rows (and all rows without it) form request-level batches (dynamic).
     continuous_batching: bool = Field(
         default=True, description="greedy rows join the running batch between decoder steps"
     )
-    max_batch_size: int = Field(default=32, ge=1, description="rows (texts) per batch")
-    max_batch_tokens: int = Field(default=8192, ge=1, description="padded tokens x beams")
+    max_batch_size: int = Field(default=64, ge=1, description="rows (texts) per batch")
+    max_batch_tokens: int = Field(default=16384, ge=1, description="padded tokens x beams")
     max_wait_ms: float = Field(default=5.0, ge=0, description="longest wait to fill a batch")
+    max_join_wait_ms: float = Field(
+        default=100.0, ge=0,
+        description="continuous: longest wait to join the running batch in a group",
+    )
     max_queue_size: int = Field(default=256, ge=1, description="rows waiting, per model")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
 

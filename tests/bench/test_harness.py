@@ -29,7 +29,7 @@ def test_bench_runs_every_system(tiny_model_repository: Path, tmp_path: Path) ->
     results = json.loads((out / "tiny.json").read_text(encoding="utf-8"))
     task = results["tasks"]["tiny-reverse"]
     assert task["sentences"] == 6
-    for mode in ("batching_on", "batching_off"):
+    for mode in ("continuous", "dynamic", "batching_off"):
         closed = task["service"][mode]["closed"]
         assert set(closed) == {"c1", "c3"}
         assert all(run["sentences"] == 6 and run["errors"] == 0 and run["target_tokens"] > 0
@@ -40,12 +40,12 @@ def test_bench_runs_every_system(tiny_model_repository: Path, tmp_path: Path) ->
     assert task["in_process"]["b4"]["sentences"] == 6
     assert task["in_process"]["b4_length_sorted"]["target_tokens"] == task["in_process"]["b4"]["target_tokens"]
     variant = task["in_process"]["variant"]
-    assert results["servers"]["service_batching_on"]["variants"] == {
+    assert results["servers"]["service_continuous"]["variants"] == {
         "tiny-reverse": f"{variant} on CPUExecutionProvider"}
     assert task["ctranslate2"]["int8_greedy_single"]["sentences"] == 3
     assert task["agreement_fp32_vs_onnx_fp32"] == 1.0  # same weights, same greedy tokens
     # every HTTP and in-process path generated the same number of tokens for the same inputs
-    tokens = {task["in_process"]["b1"]["target_tokens"], task["service"]["batching_on"]["closed"]["c1"]["target_tokens"],
+    tokens = {task["in_process"]["b1"]["target_tokens"], task["service"]["continuous"]["closed"]["c1"]["target_tokens"],
               task["ctranslate2"]["fp32_greedy_batch"]["target_tokens"]}
     assert len(tokens) == 1
     assert {t["name"] for t in results["targets"]} >= {"vs_ctranslate2_int8", "server_rss"}

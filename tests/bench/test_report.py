@@ -22,7 +22,7 @@ def _run(rate: float, p50: float) -> dict[str, float | int]:
 def _results() -> dict:
     task = {
         "task": "translate", "sentences": 10,
-        "service": {"batching_on": {"closed": {"c1": _run(5, 0.2), "c8": _run(30, 0.3)},
+        "service": {"continuous": {"closed": {"c1": _run(5, 0.2), "c8": _run(30, 0.3)},
                                     "open": {**_run(20, 0.25), "offered_rate": 21.0}, "peak_rss_mb": 321.5},
                     "batching_off": {"closed": {"c1": _run(5, 0.2), "c8": _run(6, 1.2)}}},
         "in_process": {"variant": "fp32", "b1": _run(6, 0.15), "b8": _run(40, 0.2)},
@@ -30,14 +30,14 @@ def _results() -> dict:
         "ctranslate2": {"int8_greedy_batch": _run(50, 0.2), "int8_greedy_single": _run(8, 0.12)},
         "agreement_fp32_vs_onnx_fp32": 0.9,
     }
-    return {"name": "t", "label": "smoke", "servers": {"service_batching_on": {"peak_rss_mb": 321.5}}, "command": "attnserve bench --quick", "tasks": {"tiny": task},
+    return {"name": "t", "label": "smoke", "servers": {"service_continuous": {"peak_rss_mb": 321.5}}, "command": "attnserve bench --quick", "tasks": {"tiny": task},
             "targets": [t.to_dict() for t in evaluate(task, top_concurrency=8)]}
 
 
 def test_stats_rows_finds_every_run() -> None:
     names = [name for name, _ in report.stats_rows(_results()["tasks"]["tiny"])]
-    assert "service / batching_on / closed / c8" in names
-    assert "service / batching_on / open" in names
+    assert "service / continuous / closed / c8" in names
+    assert "service / continuous / open" in names
     assert "in_process / b8" in names
     assert "ctranslate2 / int8_greedy_single" in names
     assert len(names) == 10
@@ -49,12 +49,12 @@ def test_write_json_markdown_and_plot(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["t.json", "t.md", "t-tiny.png"]
     assert json.loads(paths[0].read_text(encoding="utf-8")) == results
     markdown = paths[1].read_text(encoding="utf-8")
-    assert "| service / batching_on / closed / c8 | 30 | 300 | 0.300 | 0.600 | 0.900 | 0 |" in markdown
+    assert "| service / continuous / closed / c8 | 30 | 300 | 0.300 | 0.600 | 0.900 | 0 |" in markdown
     assert "| naive / closed / c1 |" in markdown
     assert "agreement_fp32_vs_onnx_fp32: 90.0%" in markdown
     # service c8 30/s vs CTranslate2 50/s: 0.6, missed; vs naive 2/s: 15x, met
     assert "| 0.600 | ≥ 1.00 | missed |" in markdown
     assert "| 15.000 | ≥ 5.00 | met |" in markdown
-    assert "| service_batching_on | 322 | - |" in markdown
+    assert "| service_continuous | 322 | - |" in markdown
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert paths[2].stat().st_size > 10_000

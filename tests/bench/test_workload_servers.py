@@ -36,10 +36,12 @@ def test_free_port_is_bindable() -> None:
         sock.bind(("127.0.0.1", port))
 
 
-def test_service_command_batching_off() -> None:
-    on = service_command(Path("models"), 8123, batching=True)
-    off = service_command(Path("models"), 8123, batching=False)
-    assert "--max-batch-size" not in on
+def test_service_command_modes() -> None:
+    on = service_command(Path("models"), 8123)
+    dynamic = service_command(Path("models"), 8123, "dynamic")
+    off = service_command(Path("models"), 8123, "batching_off")
+    assert "--max-batch-size" not in on and "--no-continuous-batching" not in on
+    assert dynamic[-1] == "--no-continuous-batching" and "--max-batch-size" not in dynamic
     assert off[off.index("--max-batch-size") + 1] == "1" and off[off.index("--max-wait-ms") + 1] == "0"
     assert on[on.index("--port") + 1] == "8123"
     assert on[on.index("--providers") + 1] == "CPUExecutionProvider"

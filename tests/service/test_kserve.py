@@ -161,7 +161,7 @@ async def test_protocol_errors_and_statuses(make_app: AppFactory) -> None:
         metadata = await client.get("/v2/models/translate-en-it")
         loader.release.set()
         while (await client.get("/v2/health/ready")).status_code != 200:
-            pass
+            await asyncio.sleep(0.01)  # in-process requests may never yield to the loop
         unknown = await client.get("/v2/models/nope/ready")
         bad_version = await client.get("/v2/models/translate-en-it/versions/7")
         not_json = await client.post("/v2/models/translate-en-it/infer", content=b"{nope")
