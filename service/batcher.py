@@ -15,9 +15,9 @@ Continuous batching (given a `running_batch` factory, `service.continuous.Runnin
 greedy rows do not wait for a batch to end. They join the running batch between two decoder
 steps (up to `max_batch_size` rows and `max_batch_tokens` padded source tokens in it) and leave
 it, their futures resolved, as soon as they finish. A join costs an encoder call and a copy of
-the batch's cache, so rows join in groups: at once while the batch holds fewer than
-`join_rows` rows, else when `join_rows` rows wait (or all the room left), or when the oldest
-has waited `max_join_wait_s`. The worker thread steps the running batch until something new
+the batch's state, so rows join in groups of a quarter of the running batch (at most
+`join_rows`, a quarter of `max_batch_size`; at once into a batch of fewer than 4 rows), or
+when the oldest has waited `max_join_wait_s`. The worker thread steps the running batch until something new
 arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
 running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
 between two steps of the running batch when they are the oldest queued rows.
@@ -398,7 +398,7 @@ class Batcher:
 
     @property
     def join_rows(self) -> int:
-        """Rows that join the running batch in one group (a quarter of `max_batch_size`)."""
+        """The largest group rows join the running batch in (a quarter of `max_batch_size`)."""
         return max(1, self.limits.max_batch_size // 4)
 
     def _take_joiners(self) -> list[_Row]:
@@ -420,8 +420,8 @@ class Batcher:
             chosen.append(row)
             rows, longest = rows + 1, width
         waited = time.perf_counter() - chosen[0].enqueued_at if chosen else 0.0
-        if chosen and len(self._decoding) >= self.join_rows and len(chosen) < self.join_rows \
-                and waited < self.limits.max_join_wait_s:
+        group = min(self.join_rows, len(self._decoding) // 4)  # 0 when the batch is (nearly) empty
+        if chosen and len(chosen) < group and waited < self.limits.max_join_wait_s:
             return []  # let a group form
         if chosen:
             taken = set(map(id, chosen))

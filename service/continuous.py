@@ -197,8 +197,8 @@ class RunningBatch(Generic[Owner]):
             out = np.zeros((rows, heads, length, head_dim), dtype=dtype)
             if kept and old is not None:
                 part = old[:, :, start:start + length]  # (B, h, <= length, d)
-                if part.shape[2] == length:  # straight into place, no temporary
-                    np.take(part, keep, axis=0, out=out[:kept])
+                if part.shape[2] == length:  # straight into place ("clip": no buffered copy)
+                    np.take(part, keep, axis=0, out=out[:kept], mode="clip")
                 else:
                     out[:kept, :, : part.shape[2]] = part[keep]
             row = kept

@@ -69,6 +69,7 @@ def onnx_loader(settings: Settings) -> Loader:
         runtime: Runtime = ModelRuntime.load(
             path, providers=list(settings.providers), threads=settings.threads,
             variant=settings.variant, spinning=settings.spinning,
+            memory_arena=settings.cpu_memory_arena,
         )
         return runtime
 

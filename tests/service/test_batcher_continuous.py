@@ -169,12 +169,12 @@ async def test_onnx_rows_arriving_at_random_times_get_their_solo_tokens(tiny_run
 
 
 async def test_rows_join_a_busy_batch_in_groups_or_after_the_join_wait() -> None:
-    """With 4 of 8 rows busy (join group: 2 rows), one newcomer waits `max_join_wait_s` for a
-    companion; two newcomers join at once."""
+    """With 8 rows busy (join group: a quarter of them, 2 rows), one newcomer waits
+    `max_join_wait_s` for a companion; two newcomers join at once."""
     running = FakeRunningBatch(step_delay_s=0.005)
-    batcher = make("c-group", running, max_batch_size=8, max_join_wait_s=0.15)
-    busy = [asyncio.ensure_future(batcher.submit([source(60, start=4 + i)], 1, 100)) for i in range(4)]
-    while len(running) < 4:
+    batcher = make("c-group", running, max_batch_size=16, max_join_wait_s=0.15)
+    busy = [asyncio.ensure_future(batcher.submit([source(60, start=4 + i)], 1, 100)) for i in range(8)]
+    while len(running) < 8:
         await asyncio.sleep(0.002)
     started = time.perf_counter()
     alone = await batcher.submit([source(2)], 1, 100)
@@ -182,7 +182,7 @@ async def test_rows_join_a_busy_batch_in_groups_or_after_the_join_wait() -> None
     steps_before = len(running.steps)
     pair = asyncio.gather(batcher.submit([source(2, start=9)], 1, 100), batcher.submit([source(2, start=11)], 1, 100))
     await pair
-    joined_at = next(i for i, step in enumerate(running.steps) if len(step) == 6)
+    joined_at = next(i for i, step in enumerate(running.steps) if len(step) == 10)
     assert joined_at - steps_before <= 2  # the pair joined at the next step or the one after
     await asyncio.gather(*busy)
     await batcher.close(1)

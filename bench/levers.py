@@ -1,0 +1,125 @@
+"""Serving levers, one at a time: the service at one closed-loop concurrency with one flag changed.
+
+    python -m bench.levers --models models --data-dir data --out bench/results/levers
+
+For each variant it starts `attnserve serve` (CPU, the translation model's test sentences),
+warms it up, runs the closed loop, and records throughput, latency percentiles, the server's
+CPU seconds and its batching counters; it writes `<out>/levers.json` and `<out>/levers.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from bench import loadgen, machine
+from bench import workload as workload_module
+from bench.servers import ServerProcess, free_port, service_command
+
+logger = logging.getLogger(__name__)
+
+# variant -> extra `attnserve serve` flags (after the defaults, so they win)
+VARIANTS: dict[str, list[str]] = {
+    "defaults (continuous batching)": [],
+    "request-level (dynamic) batching": ["--no-continuous-batching"],
+    "continuous, rows join at once (no groups)": ["--max-join-wait-ms", "0"],
+    "continuous, max_batch_size 32": ["--max-batch-size", "32"],
+    "onnxruntime threads spin between calls": ["--spinning"],
+    "one onnxruntime thread": ["--threads", "1"],
+    "onnxruntime CPU memory arena on": ["--cpu-memory-arena"],
+    "max_batch_tokens 16384": ["--max-batch-tokens", "16384"],
+}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children."""
+    process = psutil.Process(pid)
+    total = 0.0
+    for p in [process, *process.children(recursive=True)]:
+        times = p.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, flags: list[str],
+            log_path: Path) -> dict[str, Any]:
+    """One server with `flags`: warm-up, then the closed loop over `texts`."""
+    port = free_port()
+    command = service_command(models_dir, port) + flags
+    server = ServerProcess(command, port, log_path, env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
+    server.start()
+    try:
+        url = server.url + "/v1/translate"  # the repository's translation model
+        asyncio.run(loadgen.closed_loop(url, texts[: 2 * concurrency], concurrency))  # warm-up
+        assert server.process is not None
+        cpu_before = _cpu_seconds(server.process.pid)
+        result = asyncio.run(loadgen.closed_loop(url, texts, concurrency))
+        cards = httpx.get(server.url + "/v1/models", timeout=10).json()["models"]
+        cpu = _cpu_seconds(server.process.pid) - cpu_before
+    finally:
+        peak = server.stop()
+    stats = result.stats().to_dict()
+    batching = next(c["batching"] for c in cards if c["name"] == model)
+    return {**stats, "flags": flags, "server_cpu_s": round(cpu, 2), "peak_rss_mb": round(peak, 1),
+            "batching": batching}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"# Serving levers at concurrency {results['concurrency']}", "",
+             f"Command: `{results['command']}`", "",
+             f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
+             "| variant | flags | sentences/s | p50 s | p95 s | server CPU s | joins (batches) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, run in results["variants"].items():
+        lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} | "
+                     f"{run['latency_p50_s']:.3f} | {run['latency_p95_s']:.3f} | {run['server_cpu_s']:.1f} | "
+                     f"{run['batching']['batches']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=Path("models"))
+    parser.add_argument("--data-dir", type=Path, default=Path("data"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/levers"))
+    parser.add_argument("--model", default="translate-en-it", help="the translation model of --models (the one /v1/translate serves)")
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from export.manifest import read_manifest
+    from model.tokenizer import Tokenizer
+
+    folder = args.models / args.model
+    tokenizer = Tokenizer.from_file(folder / "tokenizer.model")
+    workload = workload_module.load(args.data_dir, args.model, "translate", tokenizer,
+                                    read_manifest(folder).max_source_len, args.sentences)
+    results: dict[str, Any] = {
+        "command": "python -m bench.levers " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "machine": machine.describe(), "concurrency": args.concurrency, "sentences": len(workload),
+        "variants": {},
+    }
+    for name in args.variants:
+        logger.info("%s ...", name)
+        run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS[name],
+                      args.out / "logs" / f"{len(results['variants'])}.log")
+        logger.info("%s: %.1f sentences/s", name, run["sentences_per_s"])
+        results["variants"][name] = run
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "levers.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (args.out / "levers.md").write_text(markdown(results), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

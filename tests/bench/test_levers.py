@@ -1,0 +1,29 @@
+"""bench.levers on the tiny model: one server per variant, its flags applied, results written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from bench.levers import main
+
+
+def test_levers_measure_each_variant(tiny_model_repository: Path, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    shutil.copytree(tiny_model_repository, models / "tiny-reverse")
+    data = tmp_path / "data" / "tiny-reverse"
+    data.mkdir(parents=True)
+    shutil.copy(tiny_model_repository.parent / "data" / "test.src", data / "test.src")
+    out = tmp_path / "levers"
+    variants = ["defaults (continuous batching)", "request-level (dynamic) batching"]
+    assert main(["--models", str(models), "--data-dir", str(tmp_path / "data"), "--out", str(out),
+                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--variants", *variants]) == 0
+    results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
+    assert list(results["variants"]) == variants
+    continuous, dynamic = (results["variants"][v] for v in variants)
+    assert continuous["sentences"] == dynamic["sentences"] == 8
+    assert continuous["errors"] == dynamic["errors"] == 0
+    assert continuous["batching"]["continuous"] and not dynamic["batching"]["continuous"]
+    assert dynamic["flags"] == ["--no-continuous-batching"] and continuous["server_cpu_s"] > 0
+    assert "| request-level (dynamic) batching | `--no-continuous-batching` |" in (out / "levers.md").read_text()
