@@ -5,6 +5,9 @@
 For each variant it starts `attnserve serve` (CPU, the translation model's test sentences),
 warms it up, runs the closed loop, and records throughput, latency percentiles, the server's
 CPU seconds and its batching counters; it writes `<out>/levers.json` and `<out>/levers.md`.
+The variants run in turn `--repeats` times (ABC ABC ...), so a drift of the machine's speed
+during the run shows as spread instead of favouring whichever ran last; the table gives each
+variant's median run and the range.
 """
 
 from __future__ import annotations
@@ -75,12 +78,16 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Serving levers at concurrency {results['concurrency']}", "",
+             f"{results['sentences']} translation sentences per run, {results['repeats']} runs per variant "
+             "(in turn); sentences/s: median (min-max); the other columns: the median run.", "",
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
              "| variant | flags | sentences/s | p50 s | p95 s | server CPU s | joins (batches) |",
              "|---|---|---|---|---|---|---|"]
     for name, run in results["variants"].items():
-        lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} | "
+        speeds = [r["sentences_per_s"] for r in run["runs"]]
+        lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} "
+                     f"({min(speeds):.1f}-{max(speeds):.1f}) | "
                      f"{run['latency_p50_s']:.3f} | {run['latency_p95_s']:.3f} | {run['server_cpu_s']:.1f} | "
                      f"{run['batching']['batches']} |")
     return "\n".join(lines) + "\n"
@@ -95,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant, in turn")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from export.manifest import read_manifest
     from model.tokenizer import Tokenizer
 
@@ -107,14 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "command": "python -m bench.levers " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine.describe(), "concurrency": args.concurrency, "sentences": len(workload),
-        "variants": {},
+        "repeats": args.repeats, "variants": {},
     }
-    for name in args.variants:
-        logger.info("%s ...", name)
-        run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS[name],
-                      args.out / "logs" / f"{len(results['variants'])}.log")
-        logger.info("%s: %.1f sentences/s", name, run["sentences_per_s"])
-        results["variants"][name] = run
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
+    for repeat in range(args.repeats):
+        for index, name in enumerate(args.variants):
+            logger.info("%s (run %d) ...", name, repeat + 1)
+            run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS[name],
+                          args.out / "logs" / f"{index}-{repeat}.log")
+            logger.info("%s: %.1f sentences/s", name, run["sentences_per_s"])
+            runs[name].append(run)
+    for name, variant_runs in runs.items():
+        ordered = sorted(variant_runs, key=lambda r: r["sentences_per_s"])
+        results["variants"][name] = {**ordered[len(ordered) // 2], "runs": variant_runs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "levers.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (args.out / "levers.md").write_text(markdown(results), encoding="utf-8")

@@ -18,12 +18,15 @@ def test_levers_measure_each_variant(tiny_model_repository: Path, tmp_path: Path
     out = tmp_path / "levers"
     variants = ["defaults (continuous batching)", "request-level (dynamic) batching"]
     assert main(["--models", str(models), "--data-dir", str(tmp_path / "data"), "--out", str(out),
-                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--variants", *variants]) == 0
+                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "2",
+                 "--variants", *variants]) == 0
     results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
     assert list(results["variants"]) == variants
     continuous, dynamic = (results["variants"][v] for v in variants)
+    assert len(continuous["runs"]) == len(dynamic["runs"]) == 2
     assert continuous["sentences"] == dynamic["sentences"] == 8
     assert continuous["errors"] == dynamic["errors"] == 0
     assert continuous["batching"]["continuous"] and not dynamic["batching"]["continuous"]
     assert dynamic["flags"] == ["--no-continuous-batching"] and continuous["server_cpu_s"] > 0
-    assert "| request-level (dynamic) batching | `--no-continuous-batching` |" in (out / "levers.md").read_text()
+    table = (out / "levers.md").read_text(encoding="utf-8")
+    assert "| request-level (dynamic) batching | `--no-continuous-batching` |" in table

@@ -127,3 +127,16 @@ def test_io_binding_runtime_gives_the_same_tokens(tiny_model_repository, sources
     assert results[0].tokens == _alone(plain, sources[0], 10).tokens
     assert results[1].tokens == _alone(plain, sources[-1], 10).tokens
 
+
+
+def test_newcomers_are_encoded_in_groups_of_similar_length() -> None:
+    from service.continuous import _length_groups
+
+    assert _length_groups([3, 3, 4, 4], 1.25) == [[0, 1, 2, 3]]  # 16 padded for 14 real tokens
+    assert _length_groups([2, 2, 2, 10, 11], 1.25) == [[0, 1, 2], [3, 4]]
+    assert _length_groups([5], 1.25) == [[0]] and _length_groups([], 1.25) == []
+    groups = _length_groups(list(range(1, 60)), 1.25)
+    assert sorted(i for g in groups for i in g) == list(range(59))
+    for group in groups:  # each group pads at most 25% over its real tokens
+        lengths = [i + 1 for i in group]
+        assert len(lengths) * max(lengths) <= 1.25 * sum(lengths)
