@@ -33,8 +33,25 @@ def _raw(tensor: onnx.TensorProto) -> bytes:
     return tensor.raw_data
 
 
+# Node metadata the exporter fills with the Python stack of each op: source paths of the machine
+# that exported the model, nothing a runtime reads.
+BUILD_MACHINE_METADATA = ("pkg.torch.onnx.stack_trace",)
+
+
+def strip_build_metadata(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop `BUILD_MACHINE_METADATA` entries from every node (in place); returns `graph`."""
+    nodes = [*graph.graph.node, *(node for function in graph.functions for node in function.node)]
+    for node in nodes:
+        kept = [p for p in node.metadata_props if p.key not in BUILD_MACHINE_METADATA]
+        if len(kept) != len(node.metadata_props):
+            del node.metadata_props[:]
+            node.metadata_props.extend(kept)
+    return graph
+
+
 def save_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto], pack_bfloat16: bool = False) -> list[Path]:
     """Save {file name: graph} into `directory` with one `weights.bin`; returns the files written.
+    Stack traces of the export (`BUILD_MACHINE_METADATA`) are not saved.
     With `pack_bfloat16`, `weights.bin` is written packed (`weights.bin.bf16`), or raises
     `packed_weights.NotBfloat16` when some weight is not a bfloat16 number.
     The graphs passed in are left as they are (copies are rewritten)."""
@@ -43,7 +60,7 @@ def save_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto], pack_
     for name, graph in graphs.items():
         copies[name] = onnx.ModelProto()
         copies[name].CopyFrom(graph)
-    graphs = copies
+    graphs = {name: strip_build_metadata(graph) for name, graph in copies.items()}
     directory.mkdir(parents=True, exist_ok=True)
     blob = bytearray()
     stored: dict[tuple[int, tuple[int, ...], str], tuple[int, int]] = {}  # key -> (offset, length)
