@@ -78,8 +78,8 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Serving levers at concurrency {results['concurrency']}", "",
-             f"{results['sentences']} translation sentences per run, {results['repeats']} runs per variant "
-             "(in turn); sentences/s: median (min-max); the other columns: the median run.", "",
+             (f"{results['sentences']} translation sentences per run, {results['repeats']} runs per variant "
+              "(in turn); sentences/s: median (min-max); the other columns: the median run."), "",
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
              "| variant | flags | sentences/s | p50 s | p95 s | server CPU s | joins (batches) |",
