@@ -92,7 +92,8 @@ QUEUE_DEPTH = Gauge(
 )
 BATCH_SIZE = Histogram(
     "attnserve_batch_size",
-    "Rows in each batch run by the worker.",
+    "Rows in each batch run by the worker (continuous batching: rows of the running batch "
+    "each time a group joins it).",
     ["model"],
     buckets=BATCH_SIZE_BUCKETS,
     registry=REGISTRY,

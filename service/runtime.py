@@ -166,6 +166,7 @@ class ModelRuntime:
         threads: int = 0,
         spinning: bool = True,
         memory_arena: bool = True,
+        profile_prefix: str | None = None,
         variant: str | None = None,
         io_binding: bool | None = None,
     ) -> ModelRuntime:
@@ -175,7 +176,8 @@ class ModelRuntime:
         `spinning` False lets idle intra-op threads sleep rather than spin between calls (a
         server's event loop needs those cycles: bench/results/levers measures both);
         `memory_arena` False gives onnxruntime's CPU buffers back after each call instead of
-        keeping the largest batch's for good (lower peak RSS, a few % slower);
+        keeping the largest batch's for good (lower peak RSS, a few % slower); `profile_prefix`
+        turns on onnxruntime's profiler (`bench.decoder_profile`);
         `variant` forces a variant (even one not marked servable); by default the first servable
         one of `VARIANT_PREFERENCE` for the provider in use. `io_binding` keeps the KV cache on
         the session's device between decoder steps; None: `AUTO_IO_BINDING` of the provider.
@@ -199,7 +201,7 @@ class ModelRuntime:
                 logger.info("%s: no servable variant for %s", manifest.name, provider)
                 continue
             encoder, decoder = _sessions(directory, manifest.variants[chosen], provider, threads, spinning,
-                                         memory_arena)
+                                         memory_arena, profile_prefix)
             if encoder.get_providers()[0] != provider:  # e.g. CUDA listed but its libraries missing
                 logger.warning("%s: %s did not start, trying the next provider", manifest.name, provider)
                 continue
@@ -424,7 +426,8 @@ def _choose_variant(manifest: Manifest, provider: str, forced: str | None) -> st
 
 
 def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
-              spinning: bool = True, memory_arena: bool = True) -> tuple[ort.InferenceSession, ...]:
+              spinning: bool = True, memory_arena: bool = True,
+              profile_prefix: str | None = None) -> tuple[ort.InferenceSession, ...]:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
@@ -432,6 +435,9 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
     # Without the arena each call's buffers go back to the allocator: the arena keeps the largest
     # batch's buffers for good (a server's RSS then follows its worst batch).
     options.enable_cpu_mem_arena = memory_arena
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     if not spinning:  # idle intra-op threads sleep instead of busy-waiting for the next call
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = [provider] if provider == CPU else [provider, CPU]
