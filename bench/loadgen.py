@@ -1,7 +1,7 @@
 """HTTP load generator (asyncio + aiohttp): closed loop at a concurrency, open loop at a rate.
 
 aiohttp, not httpx: the generator shares the machine's cores with the server it measures, and
-aiohttp spends about a third of httpx's CPU per request.
+aiohttp spends less CPU per request.
 
 Both send `{"text": ...}` to one route and record, per request, its latency and the number of
 output tokens the response reports. The open loop measures latency from each request's

@@ -123,7 +123,7 @@ class Tokenizer:
         """Token ids of each text, without bos/eos.
 
         One call per text: sentencepiece's list form starts a thread pool per call, which costs
-        more than the encoding (15x for one sentence) and stalls when the cores are busy."""
+        more than encoding a sentence and stalls when the cores are busy."""
         return [list(self._sp.encode(text, out_type=int)) for text in texts]
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,16 +11,12 @@ pytest.importorskip("ctranslate2")
 pytest.importorskip("matplotlib")
 
 
-def test_bench_runs_every_system(tiny_model_repository: Path, tmp_path: Path) -> None:
+def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     from service.cli import main
 
-    models = tmp_path / "models"
-    shutil.copytree(tiny_model_repository, models / "tiny-reverse")
-    data = tmp_path / "data" / "tiny-reverse"
-    data.mkdir(parents=True)
-    shutil.copy(tiny_model_repository.parent / "data" / "test.src", data / "test.src")
+    models, data = tiny_bench_dirs
     out = tmp_path / "results"
-    status = main(["--log-level", "WARNING", "bench", "--models", str(models), "--data-dir", str(tmp_path / "data"),
+    status = main(["--log-level", "WARNING", "bench", "--models", str(models), "--data-dir", str(data),
                    "--out", str(out), "--name", "tiny", "--sentences", "6", "--concurrency", "1", "3",
                    "--duration-s", "60", "--open-duration-s", "1", "--batch-sizes", "1", "4",
                    "--single-sentences", "3", "--naive-requests", "3", "--threads", "1"])
@@ -53,20 +48,17 @@ def test_bench_runs_every_system(tiny_model_repository: Path, tmp_path: Path) ->
     assert (out / "tiny-tiny-reverse.png").stat().st_size > 10_000
 
 
-def test_a_failing_system_keeps_the_others(tiny_model_repository: Path, tmp_path: Path,
+def test_a_failing_system_keeps_the_others(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from bench import harness
 
-    models = tmp_path / "models"
-    shutil.copytree(tiny_model_repository, models / "tiny-reverse")
-    (tmp_path / "data" / "tiny-reverse").mkdir(parents=True)
-    shutil.copy(tiny_model_repository.parent / "data" / "test.src", tmp_path / "data" / "tiny-reverse" / "test.src")
+    models, data = tiny_bench_dirs
 
     def broken(*args: object) -> None:
         raise RuntimeError("port in use")
 
     monkeypatch.setattr(harness, "run_service", broken)
-    config = harness.BenchConfig(models_dir=models, data_dir=tmp_path / "data", out_dir=tmp_path / "out",
+    config = harness.BenchConfig(models_dir=models, data_dir=data, out_dir=tmp_path / "out",
                                  name="partial", sentences=4, batch_sizes=[2], threads=1,
                                  systems=("service", "in_process"))
     results, paths = harness.run(config)

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from bench.levers import main
 
 
-def test_levers_measure_each_variant(tiny_model_repository: Path, tmp_path: Path) -> None:
-    models = tmp_path / "models"
-    shutil.copytree(tiny_model_repository, models / "tiny-reverse")
-    data = tmp_path / "data" / "tiny-reverse"
-    data.mkdir(parents=True)
-    shutil.copy(tiny_model_repository.parent / "data" / "test.src", data / "test.src")
+def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    models, data = tiny_bench_dirs
     out = tmp_path / "levers"
     variants = ["defaults (continuous batching)", "request-level (dynamic) batching"]
-    assert main(["--models", str(models), "--data-dir", str(tmp_path / "data"), "--out", str(out),
+    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
                  "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "2",
                  "--variants", *variants]) == 0
     results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
