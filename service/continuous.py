@@ -16,9 +16,9 @@ steps); `on_token` is called for every token kept. One caveat: with dynamically 
 (int8) graphs a row's activations are quantized with the whole batch's scale, so its tokens
 may depend on its neighbours -- as with any batching of those graphs.
 
-The state lives in host (numpy) arrays: with IO binding, device tensors come to the host when
-rows join or leave (CPU: free, they share memory; CUDA: a copy -- device-side padding is not
-written yet).
+The state lives in host (numpy) arrays: with IO binding, the decoder's new cache comes to the
+host after every step (CPU: free, they share memory; CUDA: a copy per step, so IO binding gains
+nothing here until joining and compaction run on the device -- not written yet).
 """
 
 from __future__ import annotations
