@@ -201,7 +201,7 @@ class ModelRuntime:
                 logger.info("%s: no servable variant for %s", manifest.name, provider)
                 continue
             encoder, decoder = _sessions(directory, manifest.variants[chosen], provider, threads, spinning,
-                                         memory_arena, profile_prefix)
+                                         memory_arena, profile_prefix, fold_dequantize=chosen == "int8")
             if encoder.get_providers()[0] != provider:  # e.g. CUDA listed but its libraries missing
                 logger.warning("%s: %s did not start, trying the next provider", manifest.name, provider)
                 continue
@@ -426,8 +426,8 @@ def _choose_variant(manifest: Manifest, provider: str, forced: str | None) -> st
 
 
 def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
-              spinning: bool = True, memory_arena: bool = True,
-              profile_prefix: str | None = None) -> tuple[ort.InferenceSession, ...]:
+              spinning: bool = True, memory_arena: bool = True, profile_prefix: str | None = None,
+              fold_dequantize: bool = False) -> tuple[ort.InferenceSession, ...]:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
@@ -435,6 +435,13 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
     # Without the arena each call's buffers go back to the allocator: the arena keeps the largest
     # batch's buffers for good (a server's RSS then follows its worst batch).
     options.enable_cpu_mem_arena = memory_arena
+    if fold_dequantize:
+        # onnxruntime leaves DequantizeLinear of constant weights unfolded so that QDQ fusions can
+        # see them. Our int8 graphs are dynamically quantized (no QDQ fusion applies), and one such
+        # node, for the output projection tied to the embedding, would rebuild its 2M float
+        # weights at every decoder step. Without the QDQ passes, constant folding does it once:
+        # the same tokens, a faster step (bench/results/decoder_profile_cpu.json).
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix

@@ -140,3 +140,4 @@ def test_newcomers_are_encoded_in_groups_of_similar_length() -> None:
     for group in groups:  # each group pads at most 25% over its real tokens
         lengths = [i + 1 for i in group]
         assert len(lengths) * max(lengths) <= 1.25 * sum(lengths)
+

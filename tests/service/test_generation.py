@@ -165,3 +165,17 @@ def test_a_cancelled_row_leaves_the_batch(tiny_runtime: ModelRuntime, sources) -
             assert hooks[0].tokens == []  # beam search streams nothing while it searches
         # Two rows (times the beams) for the first steps, then one row until the limit.
         assert counting.rows == [2 * beam_size] * 2 + [beam_size] * 2
+
+
+def test_int8_sessions_fold_constant_dequantize_without_changing_tokens(tiny_model_repository, sources) -> None:
+    """The int8 variant's sessions run without onnxruntime's QDQ passes (constant weights
+    dequantized once): the same tokens as sessions that keep them."""
+    import dataclasses
+
+    from service import runtime as runtime_module
+
+    folded = ModelRuntime.load(tiny_model_repository, providers=["CPUExecutionProvider"], variant="int8")
+    encoder, decoder = runtime_module._sessions(tiny_model_repository, folded.manifest.variants["int8"],
+                                                "CPUExecutionProvider", 0, fold_dequantize=False)
+    plain = dataclasses.replace(folded, encoder=encoder, decoder=decoder)
+    assert [r.tokens for r in generate(folded, sources, 1, 12)] == [r.tokens for r in generate(plain, sources, 1, 12)]
