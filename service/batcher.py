@@ -17,7 +17,8 @@ steps (up to `max_batch_size` rows and `max_batch_tokens` padded source tokens i
 it, their futures resolved, as soon as they finish. A join costs an encoder call and a copy of
 the batch's state, so rows join in groups of a quarter of the running batch (at most
 `join_rows`, a quarter of `max_batch_size`; at once into a batch of fewer than 4 rows), or
-when the oldest has waited `max_join_wait_s`. The worker thread steps the running batch until something new
+when the oldest has waited `max_join_wait_s` -- unless more rows wait than fit: then they wait
+for room for a whole group. The worker thread steps the running batch until something new
 arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
 running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
 between two steps of the running batch when they are the oldest queued rows.
@@ -409,19 +410,21 @@ class Batcher:
         longest = max((len(row.source) for row in self._decoding), default=0)
         rows = len(self._decoding)
         chosen: list[_Row] = []
+        left_behind = False  # a greedy row waits that the room or the token budget kept out
         for row in self._queue:
-            if len(chosen) == room:
-                break
             if row.future.done() or not self._joins_running_batch(row):
                 continue
             width = max(longest, len(row.source))
-            if rows and (rows + 1) * width > self.limits.max_batch_tokens:
+            if len(chosen) == room or (rows and (rows + 1) * width > self.limits.max_batch_tokens):
+                left_behind = True
                 break
             chosen.append(row)
             rows, longest = rows + 1, width
         waited = time.perf_counter() - chosen[0].enqueued_at if chosen else 0.0
         group = min(self.join_rows, len(self._decoding) // 4)  # 0 when the batch is (nearly) empty
-        if chosen and len(chosen) < group and waited < self.limits.max_join_wait_s:
+        # A small group waits for companions, up to max_join_wait_s; behind a backlog it waits
+        # for room instead (joining a few rows per finished row would copy the batch per row).
+        if chosen and len(chosen) < group and (left_behind or waited < self.limits.max_join_wait_s):
             return []  # let a group form
         if chosen:
             taken = set(map(id, chosen))
