@@ -186,3 +186,18 @@ async def test_rows_join_a_busy_batch_in_groups_or_after_the_join_wait() -> None
     assert joined_at - steps_before <= 2  # the pair joined at the next step or the one after
     await asyncio.gather(*busy)
     await batcher.close(1)
+
+
+async def test_a_backlog_waits_for_room_for_a_whole_group() -> None:
+    """A full batch of 16 rows with 16 more queued and no join wait: as busy rows finish one by
+    one, the queued rows join in groups (a quarter of the batch: 3 when 15 rows run), never one
+    per finished row."""
+    running = FakeRunningBatch(step_delay_s=0.002)
+    batcher = make("c-backlog", running, max_batch_size=16, max_join_wait_s=0.0)
+    first = [batcher.submit([source(10 + 2 * i, start=4 + i % 10)], 1, 100) for i in range(16)]
+    more = [batcher.submit([source(5, start=6 + i % 10)], 1, 100) for i in range(16)]
+    results = await asyncio.gather(*first, *more)
+    assert [r[0] for r in results[16:]] == [reverse(source(5, start=6 + i % 10), 100) for i in range(16)]
+    # the first 16 joined together, the other 16 in groups of 3 or more (one by one: 17 joins)
+    assert batcher.counters.rows == 32 and batcher.counters.batches <= 7, batcher.counters
+    await batcher.close(1)
