@@ -64,12 +64,18 @@ def _test_sources(data_dir: str, tokenizer_path: str, max_source_len: int, count
 
 
 def _provenance(checkpoint: str) -> dict[str, object]:
-    """Where the weights come from: the folder and, for a training run's folder, its step."""
+    """Where the weights come from: the folder and, for a training run's folder, its step.
+    Re-exporting a model repository (a folder with a manifest) keeps that manifest's record
+    of the training run, since the graphs hold the same bf16 weights."""
     import math
     from pathlib import Path
 
-    from export.manifest import sha256_file
+    from export.manifest import MANIFEST_FILE, read_manifest, sha256_file
 
+    if (Path(checkpoint) / MANIFEST_FILE).exists():
+        earlier = read_manifest(checkpoint).exporter.get("source")
+        if isinstance(earlier, dict) and earlier:
+            return dict(earlier, re_exported_from=checkpoint)
     found: dict[str, object] = {"checkpoint": checkpoint,
                                 "sha256": sha256_file(Path(checkpoint) / "checkpoint.safetensors")}
     state = Path(checkpoint) / "trainer_state.json"

@@ -5,6 +5,10 @@
   inputs and outputs stay float32, so callers feed and read the same arrays as with fp32.
 - int8: for CPU. onnxruntime dynamic quantization: int8 weights (per output channel) for
   MatMul and Gather, activations quantized on the fly; inputs and outputs stay float32.
+  A MatMul whose weight is a transposed initializer (the output projection tied to the
+  embedding) first gets its own pre-transposed copy: the quantizer only turns a MatMul with
+  an initializer weight into an integer MatMul, and would otherwise leave the largest MatMul
+  of a decoder step in float32.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import onnx
+from onnx import numpy_helper
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +53,42 @@ def _sort_nodes(graph: onnx.GraphProto) -> None:
     graph.node.extend(ordered)
 
 
+def untie_transposed_weights(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy in which every MatMul fed by `Transpose(initializer)` reads its own transposed
+    initializer instead; a Transpose left without readers is removed."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(graph)
+    body = copy.graph
+    initializers = {t.name: t for t in body.initializer}
+    producers = {out: node for node in body.node for out in node.output}
+    untied: dict[str, str] = {}  # Transpose output -> name of its transposed initializer
+    for node in body.node:
+        if node.op_type != "MatMul" or len(node.input) != 2:
+            continue
+        transpose = producers.get(node.input[1])
+        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
+            continue
+        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None)
+        weight = numpy_helper.to_array(initializers[transpose.input[0]])  # (out, in)
+        if weight.ndim != 2 or perm not in (None, [1, 0]):
+            continue
+        if node.input[1] not in untied:
+            name = f"{transpose.input[0]}.transposed"
+            body.initializer.append(numpy_helper.from_array(weight.T.copy(), name))  # (in, out)
+            untied[node.input[1]] = name
+        node.input[1] = untied[node.input[1]]
+    read = {name for node in body.node for name in node.input} | {o.name for o in body.output}
+    unused = [n for n in body.node if n.op_type == "Transpose" and n.output[0] in untied and n.output[0] not in read]
+    for node in unused:
+        body.node.remove(node)
+    return copy
+
+
 def to_int8(graph: onnx.ModelProto) -> onnx.ModelProto:
     """Dynamically quantized: int8 weights per channel, uint8 activations computed per call."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    graph = untie_transposed_weights(graph)
     with tempfile.TemporaryDirectory() as tmp:
         output = Path(tmp) / "int8.onnx"
         root = logging.getLogger()

@@ -222,6 +222,18 @@ def test_export_command_arguments() -> None:
     assert (args.variants, args.quality_rows, args.max_size_mb) == (["fp32", "int8", "fp16"], 500, 60.0)
 
 
+def test_re_export_of_a_repository_keeps_its_training_provenance(tiny_model_repository: Path, tmp_path: Path) -> None:
+    from export.commands import _provenance
+
+    copy = Path(shutil.copytree(tiny_model_repository, tmp_path / "copy"))
+    manifest = read_manifest(copy)
+    manifest.exporter["source"] = {"checkpoint": "runs/tiny/last", "step": 400}
+    write_manifest(copy, manifest)
+    assert _provenance(str(copy)) == {"checkpoint": "runs/tiny/last", "step": 400, "re_exported_from": str(copy)}
+    (copy / "manifest.json").unlink()  # a plain checkpoint folder: its own hash
+    assert set(_provenance(str(copy))) == {"checkpoint", "sha256"}
+
+
 @pytest.mark.gpu
 def test_fp16_on_cuda(trained_tiny, tiny_tokenizer: Path, tmp_path: Path) -> None:
     """fp16 variant on the CUDA execution provider: loads, and greedy tokens equal PyTorch's."""

@@ -55,8 +55,8 @@ def test_translation_of_known_debian_synopses() -> None:
 def test_summary_of_a_known_debian_description() -> None:
     model, tokenizer, _ = _load("summarize-en")
     [summary] = generate_texts(model, tokenizer, [
-        "This package contains the documentation for the GNU C library in HTML format. "
-        "It covers the functions, macros and headers of the library, with examples.",
+        ("This package contains the documentation for the GNU C library in HTML format. "
+         "It covers the functions, macros and headers of the library, with examples."),
     ])
     words = summary.lower().split()
     assert 1 <= len(words) <= 15, summary

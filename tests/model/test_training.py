@@ -60,7 +60,8 @@ def test_weights_round_trip_in_bf16_without_pickle(random_tiny, tmp_path):
 def test_resume_continues_exactly_where_it_stopped(tmp_path):
     """Training 30 steps, stopping at 15 and resuming, equals 30 steps in one go."""
     train_set, valid_set = reversal_examples(400, seed=0), reversal_examples(20, seed=1)
-    common = dict(max_tokens=200, learning_rate=2e-3, warmup_steps=5, eval_every=10, save_every=10, precision="fp32", seed=0)
+    common = {"max_tokens": 200, "learning_rate": 2e-3, "warmup_steps": 5, "eval_every": 10, "save_every": 10,
+              "precision": "fp32", "seed": 0}
     torch.manual_seed(0)
     train(TINY_CONFIG, TrainConfig(max_steps=30, **common), train_set, valid_set, tmp_path / "straight", progress=False)
     torch.manual_seed(0)

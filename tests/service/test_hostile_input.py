@@ -116,7 +116,7 @@ def test_tabs_newlines_and_other_scripts_are_still_welcome() -> None:
 # ---- property-based fuzzing of the OpenAPI document ------------------------------------------
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, settings
 
 FUZZ_EXAMPLES = 25
 
