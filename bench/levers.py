@@ -8,6 +8,10 @@ CPU seconds and its batching counters; it writes `<out>/levers.json` and `<out>/
 The variants run in turn `--repeats` times (ABC ABC ...), so a drift of the machine's speed
 during the run shows as spread instead of favouring whichever ran last; the table gives each
 variant's median run and the range.
+
+With `--ctranslate2`, CTranslate2 int8 `translate_batch` on the same weights and sentences
+(in-process, no HTTP: the reference of the throughput target) runs in the same turns, and
+the table gives each variant's throughput as a ratio of it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import json
 import logging
 import shlex
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +39,12 @@ logger = logging.getLogger(__name__)
 # variant -> extra `attnserve serve` flags (after the defaults, so they win)
 VARIANTS: dict[str, list[str]] = {
     "defaults (continuous batching)": [],
+    "one batch worker (one running batch on all cores)": ["--batch-workers", "1"],
     "request-level (dynamic) batching": ["--no-continuous-batching"],
     "continuous, rows join at once (no groups)": ["--max-join-wait-ms", "0"],
     "continuous, max_batch_size 32": ["--max-batch-size", "32"],
     "onnxruntime threads spin between calls": ["--spinning"],
-    "one onnxruntime thread": ["--threads", "1"],
+    "two onnxruntime threads per session (workers share them)": ["--threads", "2"],
     "onnxruntime CPU memory arena on": ["--cpu-memory-arena"],
     "max_batch_tokens 16384": ["--max-batch-tokens", "16384"],
 }
@@ -76,20 +83,47 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
             "batching": batching}
 
 
+def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload,
+                          out_dir: Path) -> Callable[[], dict[str, Any]]:
+    """A function that times one CTranslate2 int8 greedy `translate_batch` over the workload."""
+    from bench import ctranslate2_converter, ctranslate2_runs
+    from export.manifest import read_manifest
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(model_dir / "tokenizer.model")
+    pieces = [tokenizer.pieces(ids) for ids in workload.source_ids]
+    limit = read_manifest(model_dir).max_target_len
+    ct2_dir = ctranslate2_converter.convert(model_dir, out_dir / "ctranslate2")
+    translator = ctranslate2_runs.load_translator(ct2_dir, "int8")
+
+    def measure_once() -> dict[str, Any]:
+        stats, _ = ctranslate2_runs.run_batch(translator, pieces, 1, limit)
+        return {**stats.to_dict(), "flags": [], "max_batch_size": ctranslate2_runs.MAX_BATCH_SIZE}
+
+    return measure_once
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# Serving levers at concurrency {results['concurrency']}", "",
              (f"{results['sentences']} translation sentences per run, {results['repeats']} runs per variant "
               "(in turn); sentences/s: median (min-max); the other columns: the median run."), "",
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
-             "| variant | flags | sentences/s | p50 s | p95 s | server CPU s | joins (batches) |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | flags | sentences/s | p50 s | p95 s | server CPU s | joins (batches) | vs CTranslate2 |",
+             "|---|---|---|---|---|---|---|---|"]
+    reference = results.get("ctranslate2")
     for name, run in results["variants"].items():
         speeds = [r["sentences_per_s"] for r in run["runs"]]
+        ratio = f"{run['sentences_per_s'] / reference['sentences_per_s']:.2f}" if reference else "-"
         lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} "
                      f"({min(speeds):.1f}-{max(speeds):.1f}) | "
                      f"{run['latency_p50_s']:.3f} | {run['latency_p95_s']:.3f} | {run['server_cpu_s']:.1f} | "
-                     f"{run['batching']['batches']} |")
+                     f"{run['batching']['batches']} | {ratio} |")
+    if reference:
+        speeds = [r["sentences_per_s"] for r in reference["runs"]]
+        lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, max_batch_size "
+                     f"{reference['max_batch_size']}) | - | {reference['sentences_per_s']:.1f} "
+                     f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | 1.00 |")
     return "\n".join(lines) + "\n"
 
 
@@ -103,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, in turn")
+    parser.add_argument("--ctranslate2", action="store_true",
+                        help="also time CTranslate2 int8 translate_batch in the same turns (needs ctranslate2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -119,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats, "variants": {},
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
+    scratch = tempfile.TemporaryDirectory(prefix="levers-")
+    reference = ctranslate2_reference(folder, workload, Path(scratch.name)) if args.ctranslate2 else None
+    reference_runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
+        if reference is not None:
+            reference_runs.append(reference())
+            logger.info("CTranslate2 int8: %.1f sentences/s", reference_runs[-1]["sentences_per_s"])
         for index, name in enumerate(args.variants):
             logger.info("%s (run %d) ...", name, repeat + 1)
             run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS[name],
@@ -129,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, variant_runs in runs.items():
         ordered = sorted(variant_runs, key=lambda r: r["sentences_per_s"])
         results["variants"][name] = {**ordered[len(ordered) // 2], "runs": variant_runs}
+    if reference_runs:
+        ordered = sorted(reference_runs, key=lambda r: r["sentences_per_s"])
+        results["ctranslate2"] = {**ordered[len(ordered) // 2], "runs": reference_runs}
+    scratch.cleanup()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "levers.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (args.out / "levers.md").write_text(markdown(results), encoding="utf-8")

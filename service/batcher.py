@@ -136,7 +136,8 @@ class Batcher:
     """Groups concurrent rows of one model into batches and runs them in a worker thread."""
 
     def __init__(self, model: str, generate_fn: GenerateFn, limits: BatchLimits,
-                 running_batch: Callable[[], RunningBatchLike] | None = None) -> None:
+                 running_batch: Callable[[], RunningBatchLike] | None = None,
+                 thread_name: str | None = None) -> None:
         self.model = model
         self.limits = limits
         self.counters = BatchCounters()
@@ -157,13 +158,22 @@ class Batcher:
         self._jobs = 0  # calls of `run` admitted and not finished
         self._jobs_done = asyncio.Event()
         self._jobs_done.set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"batch-{model}")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name or f"batch-{model}")
         self._task: asyncio.Task[None] | None = None
+        # publishes `queue_depth` when the queue changes; a `BatcherPool` sets it to publish
+        # the sum over the model's batchers
+        self.on_depth: Callable[[], None] | None = None
 
     @property
     def depth(self) -> int:
         """Rows admitted and not yet in a batch."""
         return len(self._queue)
+
+    def _publish_depth(self) -> None:
+        if self.on_depth is not None:
+            self.on_depth()
+        else:
+            metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
 
     @property
     def continuous(self) -> bool:
@@ -234,7 +244,7 @@ class Batcher:
             for source, hook in zip(sources, row_hooks, strict=True)
         ]
         self._queue.extend(rows)
-        metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+        self._publish_depth()
         self._idle.clear()
         self._arrived.set()
         return [row.future for row in rows]
@@ -252,7 +262,7 @@ class Batcher:
         for row in self._queue:
             if row.future is future:
                 self._queue.remove(row)
-                metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+                self._publish_depth()
                 stage = "queued"
                 break
         else:
@@ -318,7 +328,7 @@ class Batcher:
             if not row.future.done():
                 row.future.set_exception(NotReady("the server is shutting down"))
         self._queue.clear()
-        metrics.QUEUE_DEPTH.labels(self.model).set(0)
+        self._publish_depth()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _loop(self) -> None:
@@ -375,7 +385,7 @@ class Batcher:
     def _drop_cancelled_head(self) -> None:
         while self._queue and self._queue[0].future.done():
             self._queue.popleft()
-        metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+        self._publish_depth()
 
     def _select(self, key: _Key) -> tuple[list[_Row], bool]:
         """The rows the next batch of `key` would take, oldest first, and whether it is full."""
@@ -431,7 +441,7 @@ class Batcher:
             self._queue = deque(
                 row for row in self._queue if id(row) not in taken and not row.future.done()
             )
-            metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+            self._publish_depth()
         return chosen
 
     def _admit(self, joiners: list[_Row]) -> None:
@@ -530,7 +540,7 @@ class Batcher:
         self._queue = deque(
             row for row in self._queue if id(row) not in taken and not row.future.done()
         )
-        metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+        self._publish_depth()
         return chosen
 
     async def _run(self, rows: list[_Row]) -> None:

@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 # Flags of `serve` that override a `Settings` field of the same name (None = not given).
 _SETTING_FLAGS = (
-    "host", "port", "models_dir", "providers", "threads", "variant", "max_batch_size",
+    "host", "port", "models_dir", "providers", "threads", "variant", "batch_workers", "max_batch_size",
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching",
     "max_join_wait_ms", "spinning", "cpu_memory_arena", "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
@@ -44,7 +44,11 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--models", dest="models_dir", help="model repository (default ./models)")
     p.add_argument("--providers", help="onnxruntime execution providers, comma-separated, "
                    "in order of preference (default CUDAExecutionProvider,CPUExecutionProvider)")
-    p.add_argument("--threads", type=int, help="intra-op threads per session (0 = default)")
+    p.add_argument("--threads", type=int,
+                   help="intra-op threads per session (default 0: the cores divided among the batch workers)")
+    p.add_argument("--batch-workers", type=int,
+                   help="threads per model, each running its own batches (default 0: 2 on the "
+                   "CPU with 2 cores or more, 1 on CUDA)")
     p.add_argument("--variant", help="force a model variant (fp32, fp16, int8)")
     p.add_argument("--spinning", action=argparse.BooleanOptionalAction,
                    help="let onnxruntime's idle threads spin between calls (default off: they "

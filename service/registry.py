@@ -3,7 +3,8 @@
 Every sub-folder with a `manifest.json` is a model, named after its folder; its task is read
 from the manifest at once, so requests for a loading or failed model get a 503. At startup one
 background thread loads them one by one (hash check and sessions in the runtime's `load`,
-then a warm-up inference); each model that loads gets its batcher on the event loop and turns
+then a warm-up inference); each model that loads gets its batchers (`BatcherPool`: one per batch
+worker, see `Settings.batch_workers`) on the event loop and turns
 ready. A model that fails stays listed as failed with its error: the server is live but
 never ready (or, with `fail_on_model_error`, the app refuses to start: `wait_settled`). The
 server is ready when every model is, and not while draining for shutdown.
@@ -24,6 +25,7 @@ from typing import Any, Literal, Protocol
 
 from service import metrics
 from service.batcher import Batcher, BatchLimits, GenerateFn, RunningBatchLike
+from service.batcher_pool import BatcherPool
 from service.errors import ModelNotFound, NotReady
 from service.settings import Settings
 
@@ -67,7 +69,7 @@ def onnx_loader(settings: Settings) -> Loader:
         from service.runtime import ModelRuntime  # lazy: onnxruntime only when serving
 
         runtime: Runtime = ModelRuntime.load(
-            path, providers=list(settings.providers), threads=settings.threads,
+            path, providers=list(settings.providers), threads=settings.session_threads(),
             variant=settings.variant, spinning=settings.spinning,
             memory_arena=settings.cpu_memory_arena,
         )
@@ -99,7 +101,7 @@ class ModelEntry:
     task: str | None = None
     state: State = "loading"
     runtime: Runtime | None = None
-    batcher: Batcher | None = None
+    batcher: BatcherPool | None = None
     error: str | None = None
 
 
@@ -260,16 +262,20 @@ class ModelRegistry:
         if self.draining:  # finished loading during shutdown: nothing will be served
             return
         settings = self.settings
+        workers = settings.batch_workers_on(runtime.provider)
         limits = BatchLimits(
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             max_wait_s=settings.max_wait_ms / 1000,
             max_join_wait_s=settings.max_join_wait_ms / 1000,
-            max_queue_size=settings.max_queue_size,
+            # the model's queue shared among its batchers (a request of max_texts still fits)
+            max_queue_size=max(-(-settings.max_queue_size // workers), settings.max_texts),
             retry_after_s=settings.retry_after_s,
         )
         running_batch = self._running_batch(runtime) if self._running_batch else None
-        entry.batcher = Batcher(entry.name, generate, limits, running_batch)
+        entry.batcher = BatcherPool(entry.name, [
+            Batcher(entry.name, generate, limits, running_batch, thread_name=f"batch-{entry.name}-{index}")
+            for index in range(workers)])
         entry.batcher.start()
         entry.runtime = runtime
         entry.task = runtime.task

@@ -200,16 +200,17 @@ class ErrorBody(BaseModel):
 
 
 class BatchCounters(BaseModel):
-    """What a model's batcher has run since start."""
+    """What a model's batchers have run since start, together."""
 
     continuous: bool = Field(
         default=False, description="greedy rows join the running batch between decoder steps"
     )
+    workers: int = Field(default=0, description="batch workers: each runs its own batches")
     batches: int = Field(description="batches run (continuous: times rows joined the running one)")
     rows: int
     max_batch_rows: int
     cancelled: int = Field(description="streamed rows cancelled because their client left")
-    running: int = Field(description="rows of the batch generating now (cancelled ones excluded)")
+    running: int = Field(description="rows of the batches generating now (cancelled ones excluded)")
 
 
 class ModelCard(BaseModel):

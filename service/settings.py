@@ -6,6 +6,7 @@ which wins over the defaults here. A list (`ATTNSERVE_PROVIDERS`) is written com
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Self
 
@@ -15,6 +16,15 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from service import schemas
 
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
+CPU_PROVIDER = "CPUExecutionProvider"
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class Settings(BaseSettings):
@@ -29,7 +39,10 @@ class Settings(BaseSettings):
     # Models and onnxruntime.
     models_dir: Path = Path("models")
     providers: Annotated[tuple[str, ...], NoDecode] = DEFAULT_PROVIDERS
-    threads: int = Field(default=0, ge=0, description="intra-op threads; 0 = onnxruntime's")
+    threads: int = Field(
+        default=0, ge=0,
+        description="intra-op threads per session; 0 = the cores shared among the batch workers",
+    )
     variant: str | None = Field(default=None, description="force fp32, fp16 or int8")
     spinning: bool = Field(
         default=False, description="onnxruntime's idle intra-op threads spin (else they sleep "
@@ -44,6 +57,11 @@ class Settings(BaseSettings):
     # rows (and all rows without it) form request-level batches (dynamic).
     continuous_batching: bool = Field(
         default=True, description="greedy rows join the running batch between decoder steps"
+    )
+    batch_workers: int = Field(
+        default=0, ge=0, le=16,
+        description="threads per model, each running its own batches (and running batch); "
+        "0 = 2 on the CPU (with 2 cores or more), 1 on CUDA",
     )
     max_batch_size: int = Field(default=64, ge=1, description="rows (texts) per batch")
     max_batch_tokens: int = Field(default=8192, ge=1, description="padded tokens x beams")
@@ -127,6 +145,17 @@ class Settings(BaseSettings):
         if not value:
             raise ValueError("at least one execution provider is needed")
         return value
+
+    def batch_workers_on(self, provider: str) -> int:
+        """Batch workers per model on `provider` (`batch_workers`, or its default)."""
+        if self.batch_workers:
+            return self.batch_workers
+        return min(2, cpu_cores()) if provider == CPU_PROVIDER else 1
+
+    def session_threads(self) -> int:
+        """Intra-op threads per onnxruntime session: `threads`, or the cores shared among the
+        CPU batch workers (each worker's decoder call then runs on its own cores)."""
+        return self.threads or max(1, cpu_cores() // self.batch_workers_on(CPU_PROVIDER))
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -32,6 +32,7 @@ def _card(entry: ModelEntry) -> ModelCard:
         error=entry.error,
         batching=BatchCounters(
             continuous=batcher.continuous if batcher is not None else False,
+            workers=len(batcher.batchers) if batcher is not None else 0,
             batches=counters.batches if counters else 0,
             rows=counters.rows if counters else 0,
             max_batch_rows=counters.max_batch_rows if counters else 0,

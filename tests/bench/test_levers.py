@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.levers import main
 
 
@@ -25,3 +27,18 @@ def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_pat
     assert dynamic["flags"] == ["--no-continuous-batching"] and continuous["server_cpu_s"] > 0
     table = (out / "levers.md").read_text(encoding="utf-8")
     assert "| request-level (dynamic) batching | `--no-continuous-batching` |" in table
+
+
+def test_levers_time_ctranslate2_in_the_same_turns(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("ctranslate2")
+    models, data = tiny_bench_dirs
+    out = tmp_path / "levers"
+    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
+                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "2",
+                 "--variants", "defaults (continuous batching)", "--ctranslate2"]) == 0
+    results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
+    reference = results["ctranslate2"]
+    assert len(reference["runs"]) == 2 and reference["sentences"] == 8 and reference["sentences_per_s"] > 0
+    ratio = results["variants"]["defaults (continuous batching)"]["sentences_per_s"] / reference["sentences_per_s"]
+    table = (out / "levers.md").read_text(encoding="utf-8")
+    assert f"| {ratio:.2f} |" in table and "| CTranslate2 int8 `translate_batch`" in table

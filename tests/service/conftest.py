@@ -44,6 +44,7 @@ def make_app(models_dir: Path, fake_model: FakeModel) -> AppFactory:
 
     def make(loader: FakeLoader | None = None, **settings: Any) -> FastAPI:
         settings.setdefault("models_dir", models_dir)
+        settings.setdefault("batch_workers", 1)  # one batcher: the tests reason about its batches
         return create_app(
             Settings(**settings),
             loader=loader or FakeLoader(),
@@ -85,9 +86,10 @@ async def wait_until_settled(client: httpx.AsyncClient, timeout_s: float = 30) -
 
 
 def tiny_settings(models_dir: Path, **overrides: Any) -> Settings:
-    """Settings to serve the tiny repository: CPU, one thread, the fp32 variant (equal to PyTorch)."""
+    """Settings to serve the tiny repository: CPU, one thread, one batcher, the fp32 variant (equal
+    to PyTorch)."""
     options: dict[str, Any] = {"models_dir": models_dir, "providers": ("CPUExecutionProvider",),
-                               "threads": 1, "variant": "fp32", **overrides}
+                               "threads": 1, "batch_workers": 1, "variant": "fp32", **overrides}
     return Settings(**options)
 
 

@@ -90,6 +90,7 @@ async def _send(models_dir: Path, model: str) -> Run:
         models_dir=models_dir,
         providers=(CPU,),
         threads=1,
+        batch_workers=1,  # one queue of 2 rows: the third row is refused
         max_queue_size=2,
         max_texts=2,
         max_batch_size=4,

@@ -86,8 +86,10 @@ async def test_outputs_equal_the_pytorch_reference(
         assert outputs[0]["text"].strip() == "ed cba"
 
 
-async def test_concurrent_requests_are_batched_and_equal_alone(served_tiny_models: Path) -> None:
-    app = create_app(tiny_settings(served_tiny_models, max_wait_ms=20))
+@pytest.mark.parametrize("batch_workers", [1, 2])
+async def test_concurrent_requests_are_batched_and_equal_alone(served_tiny_models: Path, batch_workers: int) -> None:
+    """Also with two batch workers: two running batches step the shared sessions at once."""
+    app = create_app(tiny_settings(served_tiny_models, max_wait_ms=20, batch_workers=batch_workers))
     bodies = [{"text": TEXTS[i % len(TEXTS)], "beam_size": 1 + (i % 2)} for i in range(64)]
     async with serving(app) as client:
         alone = [(await client.post("/v1/translate", json=b)).json() for b in bodies[:4]]
@@ -100,6 +102,9 @@ async def test_concurrent_requests_are_batched_and_equal_alone(served_tiny_model
     batching = card["batching"]
     assert batching["rows"] >= 68 and batching["max_batch_rows"] > 1
     assert batching["batches"] < batching["rows"]
+    pool = app.state.registry.resolve("translate", None).batcher
+    assert len(pool.batchers) == batching["workers"] == batch_workers
+    assert all(b.counters.rows > 0 for b in pool.batchers)  # every worker took requests
 
 
 async def test_models_reports_the_provider_and_variant(

@@ -1,0 +1,110 @@
+"""Several batchers for one model, each with its own worker thread and running batch.
+
+One decoder call leaves a CPU's cores partly idle: its small operators run on one thread, and
+the numpy work between two steps (sampling, joins, compaction) holds the worker thread while
+onnxruntime waits. Two running batches, each stepped by its own thread on one intra-op thread,
+keep both cores of a 2-core machine busy instead (`bench/results/levers`). onnxruntime
+sessions may be run from several threads at once, so the batchers share the model's sessions.
+
+A request goes whole to the batcher with the least work (queued plus running rows) among those
+with room in their queue; `run` calls (attention maps) likewise. `queue_depth` is published as
+the sum over the batchers, and the counters are summed (`max_batch_rows`: the largest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from service import metrics
+from service.batcher import BatchCounters, Batcher, BatchLimits, Generated, RowHooks
+
+T = TypeVar("T")
+
+
+class BatcherPool:
+    """The batchers of one model, used like one `Batcher`."""
+
+    def __init__(self, model: str, batchers: Sequence[Batcher]) -> None:
+        if not batchers:
+            raise ValueError("a pool needs at least one batcher")
+        self.model = model
+        self.batchers = list(batchers)
+        self._owners: dict[asyncio.Future[Any], Batcher] = {}  # enqueued rows not yet done
+        for batcher in self.batchers:
+            batcher.on_depth = self._publish_depth
+
+    @property
+    def limits(self) -> BatchLimits:
+        """One batcher's limits (each has its own queue of `max_queue_size` rows)."""
+        return self.batchers[0].limits
+
+    @property
+    def depth(self) -> int:
+        """Rows admitted and not yet in a batch, over all batchers."""
+        return sum(b.depth for b in self.batchers)
+
+    @property
+    def running(self) -> int:
+        """Rows now generating (not cancelled), over all batchers."""
+        return sum(b.running for b in self.batchers)
+
+    @property
+    def continuous(self) -> bool:
+        return self.batchers[0].continuous
+
+    @property
+    def counters(self) -> BatchCounters:
+        """What the batchers have run since they started, together."""
+        all_counters = [b.counters for b in self.batchers]
+        return BatchCounters(
+            batches=sum(c.batches for c in all_counters), rows=sum(c.rows for c in all_counters),
+            max_batch_rows=max(c.max_batch_rows for c in all_counters),
+            cancelled=sum(c.cancelled for c in all_counters),
+        )
+
+    def start(self) -> None:
+        for batcher in self.batchers:
+            batcher.start()
+
+    def _pick(self, rows: int) -> Batcher:
+        """The least loaded batcher with room for `rows` more queued rows (else the least loaded,
+        which refuses them with `Overloaded`)."""
+        with_room = [b for b in self.batchers if b.depth + rows <= b.limits.max_queue_size]
+        return min(with_room or self.batchers, key=lambda b: b.depth + b.running)
+
+    async def submit(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
+                     deadline: float | None = None) -> list[Generated]:
+        """`Batcher.submit` on the least loaded batcher."""
+        return await self._pick(len(sources)).submit(sources, beam_size, max_new_tokens, deadline=deadline)
+
+    def enqueue(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
+                hooks: Sequence[RowHooks | None] | None = None,
+                deadline: float | None = None) -> list[asyncio.Future[Generated]]:
+        """`Batcher.enqueue` on the least loaded batcher; `cancel` finds it again."""
+        batcher = self._pick(len(sources))
+        futures = batcher.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline)
+        for future in futures:
+            self._owners[future] = batcher
+            future.add_done_callback(self._forget)
+        return futures
+
+    def _forget(self, future: asyncio.Future[Any]) -> None:
+        self._owners.pop(future, None)
+
+    def cancel(self, future: asyncio.Future[Generated]) -> str | None:
+        """`Batcher.cancel` on the batcher that holds the row (None when it is done)."""
+        batcher = self._owners.get(future)
+        return batcher.cancel(future) if batcher is not None else None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the worker thread of the least loaded batcher, between its batches."""
+        return await self._pick(1).run(fn, *args)
+
+    async def close(self, timeout_s: float) -> None:
+        """Drain and stop every batcher (at most `timeout_s`, together)."""
+        await asyncio.gather(*(b.close(timeout_s) for b in self.batchers))
+
+    def _publish_depth(self) -> None:
+        metrics.QUEUE_DEPTH.labels(self.model).set(self.depth)
