@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 VARIANTS: dict[str, list[str]] = {
     "defaults (continuous batching)": [],
     "one batch worker (one running batch on all cores)": ["--batch-workers", "1"],
+    "two batch workers": ["--batch-workers", "2"],
+    "four batch workers": ["--batch-workers", "4"],
     "request-level (dynamic) batching": ["--no-continuous-batching"],
     "continuous, rows join at once (no groups)": ["--max-join-wait-ms", "0"],
     "continuous, max_batch_size 32": ["--max-batch-size", "32"],

@@ -2,9 +2,10 @@
 
 One decoder call leaves a CPU's cores partly idle: its small operators run on one thread, and
 the numpy work between two steps (sampling, joins, compaction) holds the worker thread while
-onnxruntime waits. Two running batches, each stepped by its own thread on one intra-op thread,
-keep both cores of a 2-core machine busy instead (`bench/results/levers`). onnxruntime
-sessions may be run from several threads at once, so the batchers share the model's sessions.
+onnxruntime waits. Several running batches, each stepped by its own thread on its share of the
+cores, keep them busy instead (on a 2-core machine three do best: `bench/results/levers`).
+onnxruntime sessions may be run from several threads at once, so the batchers share the
+model's sessions.
 
 A request goes whole to the batcher with the least work (queued plus running rows) among those
 with room in their queue; `run` calls (attention maps) likewise. `queue_depth` is published as

@@ -47,8 +47,8 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int,
                    help="intra-op threads per session (default 0: the cores divided among the batch workers)")
     p.add_argument("--batch-workers", type=int,
-                   help="threads per model, each running its own batches (default 0: 2 on the "
-                   "CPU with 2 cores or more, 1 on CUDA)")
+                   help="threads per model, each running its own batches (default 0: 3 on the "
+                   "CPU, 1 on CUDA)")
     p.add_argument("--variant", help="force a model variant (fp32, fp16, int8)")
     p.add_argument("--spinning", action=argparse.BooleanOptionalAction,
                    help="let onnxruntime's idle threads spin between calls (default off: they "

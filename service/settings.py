@@ -17,6 +17,7 @@ from service import schemas
 
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 CPU_PROVIDER = "CPUExecutionProvider"
+CPU_BATCH_WORKERS = 3  # the default on the CPU: one more running batch than a 2-core machine's cores
 
 
 def cpu_cores() -> int:
@@ -61,7 +62,7 @@ class Settings(BaseSettings):
     batch_workers: int = Field(
         default=0, ge=0, le=16,
         description="threads per model, each running its own batches (and running batch); "
-        "0 = 2 on the CPU (with 2 cores or more), 1 on CUDA",
+        "0 = 3 on the CPU (the best of 1-4 on a 2-core machine, bench/results/levers), 1 on CUDA",
     )
     max_batch_size: int = Field(default=64, ge=1, description="rows (texts) per batch")
     max_batch_tokens: int = Field(default=8192, ge=1, description="padded tokens x beams")
@@ -150,7 +151,7 @@ class Settings(BaseSettings):
         """Batch workers per model on `provider` (`batch_workers`, or its default)."""
         if self.batch_workers:
             return self.batch_workers
-        return min(2, cpu_cores()) if provider == CPU_PROVIDER else 1
+        return CPU_BATCH_WORKERS if provider == CPU_PROVIDER else 1
 
     def session_threads(self) -> int:
         """Intra-op threads per onnxruntime session: `threads`, or the cores shared among the

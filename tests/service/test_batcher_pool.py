@@ -120,10 +120,10 @@ async def test_run_goes_to_an_idle_batcher() -> None:
     await pool.close(1)
 
 
-def test_batch_workers_default_to_two_on_the_cpu_and_share_its_cores() -> None:
+def test_batch_workers_default_to_three_on_the_cpu_and_share_its_cores() -> None:
     settings = Settings()
-    assert settings.batch_workers_on(CPU_PROVIDER) == min(2, cpu_cores())
+    assert settings.batch_workers_on(CPU_PROVIDER) == 3
     assert settings.batch_workers_on("CUDAExecutionProvider") == 1
-    assert settings.session_threads() == max(1, cpu_cores() // min(2, cpu_cores()))
+    assert settings.session_threads() == max(1, cpu_cores() // 3)
     given = Settings(batch_workers=3, threads=5)
     assert given.batch_workers_on("CUDAExecutionProvider") == 3 and given.session_threads() == 5
