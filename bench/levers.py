@@ -1,4 +1,5 @@
-"""Serving levers, one at a time: the service at one closed-loop concurrency with one flag changed.
+"""Serving levers, one at a time: the service at one closed-loop concurrency (or one open-loop
+rate) with one flag changed.
 
     python -m bench.levers --models models --data-dir data --out bench/results/levers
 
@@ -8,6 +9,9 @@ CPU seconds and its batching counters; it writes `<out>/levers.json` and `<out>/
 The variants run in turn `--repeats` times (ABC ABC ...), so a drift of the machine's speed
 during the run shows as spread instead of favouring whichever ran last; the table gives each
 variant's median run and the range.
+
+With `--rate R`, each run is an open loop instead: Poisson arrivals at R requests/s for
+`--duration-s` seconds (the latency columns then count from each request's scheduled arrival).
 
 With `--ctranslate2`, CTranslate2 int8 `translate_batch` on the same weights and sentences
 (in-process, no HTTP: the reference of the throughput target) runs in the same turns, and
@@ -63,8 +67,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, flags: list[str],
-            log_path: Path) -> dict[str, Any]:
-    """One server with `flags`: warm-up, then the closed loop over `texts`."""
+            log_path: Path, rate: float | None = None, duration_s: float = 30.0) -> dict[str, Any]:
+    """One server with `flags`: warm-up, then the closed loop over `texts` (or, with `rate`, an
+    open loop for `duration_s`)."""
     port = free_port()
     command = service_command(models_dir, port) + flags
     server = ServerProcess(command, port, log_path, env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
@@ -74,7 +79,10 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
         asyncio.run(loadgen.closed_loop(url, texts[: 2 * concurrency], concurrency))  # warm-up
         assert server.process is not None
         cpu_before = _cpu_seconds(server.process.pid)
-        result = asyncio.run(loadgen.closed_loop(url, texts, concurrency))
+        if rate is None:
+            result = asyncio.run(loadgen.closed_loop(url, texts, concurrency))
+        else:
+            result = asyncio.run(loadgen.open_loop(url, texts, rate, duration_s))
         cards = httpx.get(server.url + "/v1/models", timeout=10).json()["models"]
         cpu = _cpu_seconds(server.process.pid) - cpu_before
     finally:
@@ -106,9 +114,12 @@ def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload,
 
 
 def markdown(results: dict[str, Any]) -> str:
-    lines = [f"# Serving levers at concurrency {results['concurrency']}", "",
-             (f"{results['sentences']} translation sentences per run, {results['repeats']} runs per variant "
-              "(in turn); sentences/s: median (min-max); the other columns: the median run."), "",
+    load = (f"an offered load of {results['rate']:g} requests/s (open loop, {results['duration_s']:g} s)"
+            if results.get("rate") else f"concurrency {results['concurrency']}")
+    lines = [f"# Serving levers at {load}", "",
+             (f"{results['sentences']} translation sentences per run (cycled in the open loop), "
+              f"{results['repeats']} runs per variant (in turn); sentences/s: median (min-max); the other "
+              f"columns: the median run ({'by p95' if results.get('rate') else 'by sentences/s'})."), "",
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
              "| variant | flags | sentences/s | p50 s | p95 s | server CPU s | joins (batches) | vs CTranslate2 |",
@@ -137,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="translate-en-it", help="the translation model of --models (the one /v1/translate serves)")
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=None, help="open loop at this many requests/s instead")
+    parser.add_argument("--duration-s", type=float, default=30.0, help="length of each open-loop run")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, in turn")
     parser.add_argument("--ctranslate2", action="store_true",
@@ -154,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {
         "command": "python -m bench.levers " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine.describe(), "concurrency": args.concurrency, "sentences": len(workload),
+        "rate": args.rate, "duration_s": args.duration_s,
         "repeats": args.repeats, "variants": {},
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
@@ -167,11 +181,12 @@ def main(argv: list[str] | None = None) -> int:
         for index, name in enumerate(args.variants):
             logger.info("%s (run %d) ...", name, repeat + 1)
             run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS[name],
-                          args.out / "logs" / f"{index}-{repeat}.log")
+                          args.out / "logs" / f"{index}-{repeat}.log", args.rate, args.duration_s)
             logger.info("%s: %.1f sentences/s", name, run["sentences_per_s"])
             runs[name].append(run)
+    median_by = "latency_p95_s" if args.rate else "sentences_per_s"  # open loop: all keep the rate
     for name, variant_runs in runs.items():
-        ordered = sorted(variant_runs, key=lambda r: r["sentences_per_s"])
+        ordered = sorted(variant_runs, key=lambda r: r[median_by])
         results["variants"][name] = {**ordered[len(ordered) // 2], "runs": variant_runs}
     if reference_runs:
         ordered = sorted(reference_runs, key=lambda r: r["sentences_per_s"])

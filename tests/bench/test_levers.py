@@ -42,3 +42,16 @@ def test_levers_time_ctranslate2_in_the_same_turns(tiny_bench_dirs: tuple[Path, 
     ratio = results["variants"]["defaults (continuous batching)"]["sentences_per_s"] / reference["sentences_per_s"]
     table = (out / "levers.md").read_text(encoding="utf-8")
     assert f"| {ratio:.2f} |" in table and "| CTranslate2 int8 `translate_batch`" in table
+
+
+def test_levers_open_loop_at_a_rate(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    models, data = tiny_bench_dirs
+    out = tmp_path / "levers"
+    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
+                 "--model", "tiny-reverse", "--sentences", "8", "--rate", "10", "--duration-s", "1.5",
+                 "--repeats", "1", "--variants", "defaults (continuous batching)"]) == 0
+    results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
+    run = results["variants"]["defaults (continuous batching)"]
+    assert results["rate"] == 10 and run["errors"] == 0
+    assert run["sentences"] == 15  # 10/s for 1.5 s, the 8 sentences cycled
+    assert "at an offered load of 10 requests/s" in (out / "levers.md").read_text(encoding="utf-8")
