@@ -29,7 +29,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from service.generation import GenerationResult, RowHooks, Runtime, log_softmax
+from service.generation import GenerationResult, RowHooks, Runtime, greedy_choice
 from service.runtime import EncoderState, KVCache, to_numpy
 
 Owner = TypeVar("Owner")
@@ -124,9 +124,7 @@ class RunningBatch(Generic[Owner]):
         cache = KVCache(self._keys, self._values)
         out = self.runtime.decode(self._last[:, None], state, cache,
                                   positions=self._positions[:, None], target_mask=target_mask)
-        log_probs = log_softmax(out.logits[:, -1])  # (B, V)
-        best = log_probs.argmax(axis=-1)  # (B,)
-        chosen = log_probs[np.arange(batch), best]  # (B,)
+        best, chosen = greedy_choice(out.logits[:, -1])  # (B,) each
         finished: list[tuple[Owner, GenerationResult]] = []
         eos = self.runtime.eos_id
         for i, member in enumerate(self._members):

@@ -69,6 +69,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+def greedy_choice(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The most likely token of each row of (B, V) `logits` and its log-probability: the same as
+    `log_softmax` then argmax, without building the (B, V) log-probabilities."""
+    best = logits.argmax(axis=-1)  # (B,)
+    shifted = logits - logits[np.arange(len(best)), best][:, None]  # (B, V), <= 0
+    np.exp(shifted, out=shifted)
+    return best, -np.log(shifted.sum(axis=-1, dtype=np.float32))  # (B,), (B,)
+
+
 def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k best (score, index) of each row of (R, N) `scores`, best first."""
     k = min(k, scores.shape[-1])
@@ -126,12 +135,11 @@ def greedy(
     cache: KVCache | None = None
     for step in range(max_new_tokens):
         out = runtime.decode(last, state, cache)
-        log_probs = log_softmax(out.logits[:, -1])  # (B_active, V)
-        best = log_probs.argmax(axis=-1)  # (B_active,)
+        best, chosen = greedy_choice(out.logits[:, -1])  # (B_active,) each
         keep = []
         for i, row in enumerate(active.tolist()):
             token = int(best[i])
-            scores[row] += float(log_probs[i, token])
+            scores[row] += float(chosen[i])
             if token == runtime.eos_id:
                 results[row] = GenerationResult(tokens[row], "eos", scores[row])
                 continue

@@ -179,3 +179,17 @@ def test_int8_sessions_fold_constant_dequantize_without_changing_tokens(tiny_mod
                                                 "CPUExecutionProvider", 0, fold_dequantize=False)
     plain = dataclasses.replace(folded, encoder=encoder, decoder=decoder)
     assert [r.tokens for r in generate(folded, sources, 1, 12)] == [r.tokens for r in generate(plain, sources, 1, 12)]
+
+
+def test_greedy_choice_equals_argmax_of_log_softmax() -> None:
+    from service.generation import greedy_choice, log_softmax
+
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((6, 50)) * 30).astype(np.float32)
+    logits[1] = 0.0  # a tie everywhere: the first index, like argmax
+    logits[2, 7] = 1e4  # one certain token
+    best, chosen = greedy_choice(logits)
+    log_probs = log_softmax(logits)
+    np.testing.assert_array_equal(best, log_probs.argmax(axis=-1))
+    np.testing.assert_allclose(chosen, log_probs[np.arange(6), best], atol=1e-5)
+    assert best[1] == 0 and chosen[1] == pytest.approx(-np.log(50)) and chosen[2] == 0.0
