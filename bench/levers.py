@@ -46,6 +46,7 @@ VARIANTS: dict[str, list[str]] = {
     "one batch worker (one running batch on all cores)": ["--batch-workers", "1"],
     "two batch workers": ["--batch-workers", "2"],
     "four batch workers": ["--batch-workers", "4"],
+    "batch workers take the least loaded, not by length": ["--no-length-routing"],
     "request-level (dynamic) batching": ["--no-continuous-batching"],
     "continuous, rows join at once (no groups)": ["--max-join-wait-ms", "0"],
     "continuous, max_batch_size 32": ["--max-batch-size", "32"],

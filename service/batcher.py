@@ -169,6 +169,11 @@ class Batcher:
         """Rows admitted and not yet in a batch."""
         return len(self._queue)
 
+    def source_tokens(self) -> tuple[int, int]:
+        """(rows, their source tokens) queued or generating: what `BatcherPool` routes by."""
+        rows = [*self._queue, *self._running, *self._decoding]
+        return len(rows), sum(len(row.source) for row in rows)
+
     def _publish_depth(self) -> None:
         if self.on_depth is not None:
             self.on_depth()

@@ -7,9 +7,15 @@ cores, keep them busy instead (on a 2-core machine three do best: `bench/results
 onnxruntime sessions may be run from several threads at once, so the batchers share the
 model's sessions.
 
-A request goes whole to the batcher with the least work (queued plus running rows) among those
-with room in their queue; `run` calls (attention maps) likewise. `queue_depth` is published as
-the sum over the batchers, and the counters are summed (`max_batch_rows`: the largest).
+A request goes whole to one batcher with room in its queue. Among those whose work (queued
+plus running rows) is within `length_slack` rows of the least, it goes to the one whose rows'
+mean source length is closest to its own (an idle batcher counts as a match). The batchers
+thus settle into bands of source length, and as output length follows source length in
+translation and summarization, each running batch holds rows of similar lengths: less source
+padding, and a shorter self-attention cache (a running batch's cache is as long as its oldest
+row's output). With `length_slack` 0 the least loaded batcher takes it. `run` calls
+(attention maps) go to the least loaded. `queue_depth` is published as the sum over the
+batchers, and the counters are summed (`max_batch_rows`: the largest).
 """
 
 from __future__ import annotations
@@ -27,11 +33,12 @@ T = TypeVar("T")
 class BatcherPool:
     """The batchers of one model, used like one `Batcher`."""
 
-    def __init__(self, model: str, batchers: Sequence[Batcher]) -> None:
+    def __init__(self, model: str, batchers: Sequence[Batcher], length_slack: int = 0) -> None:
         if not batchers:
             raise ValueError("a pool needs at least one batcher")
         self.model = model
         self.batchers = list(batchers)
+        self.length_slack = length_slack
         self._owners: dict[asyncio.Future[Any], Batcher] = {}  # enqueued rows not yet done
         for batcher in self.batchers:
             batcher.on_depth = self._publish_depth
@@ -69,22 +76,36 @@ class BatcherPool:
         for batcher in self.batchers:
             batcher.start()
 
-    def _pick(self, rows: int) -> Batcher:
-        """The least loaded batcher with room for `rows` more queued rows (else the least loaded,
-        which refuses them with `Overloaded`)."""
+    def _pick(self, rows: int, source_len: float | None = None) -> Batcher:
+        """The batcher for `rows` new rows of mean length `source_len` (see the module's
+        docstring); when none has room in its queue, the least loaded (which refuses them)."""
         with_room = [b for b in self.batchers if b.depth + rows <= b.limits.max_queue_size]
-        return min(with_room or self.batchers, key=lambda b: b.depth + b.running)
+        candidates = with_room or self.batchers
+        loads = [b.depth + b.running for b in candidates]
+        least = min(loads)
+        if source_len is None or not self.length_slack or not with_room:
+            return candidates[loads.index(least)]
+        near = [b for b, load in zip(candidates, loads, strict=True) if load <= least + self.length_slack]
+
+        def distance(batcher: Batcher) -> float:
+            count, tokens = batcher.source_tokens()
+            return abs(tokens / count - source_len) if count else 0.0
+
+        return min(near, key=distance)
+
+    def _pick_for(self, sources: list[list[int]]) -> Batcher:
+        return self._pick(len(sources), sum(map(len, sources)) / len(sources) if sources else None)
 
     async def submit(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                      deadline: float | None = None) -> list[Generated]:
-        """`Batcher.submit` on the least loaded batcher."""
-        return await self._pick(len(sources)).submit(sources, beam_size, max_new_tokens, deadline=deadline)
+        """`Batcher.submit` on the batcher chosen for `sources`."""
+        return await self._pick_for(sources).submit(sources, beam_size, max_new_tokens, deadline=deadline)
 
     def enqueue(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                 hooks: Sequence[RowHooks | None] | None = None,
                 deadline: float | None = None) -> list[asyncio.Future[Generated]]:
-        """`Batcher.enqueue` on the least loaded batcher; `cancel` finds it again."""
-        batcher = self._pick(len(sources))
+        """`Batcher.enqueue` on the batcher chosen for `sources`; `cancel` finds it again."""
+        batcher = self._pick_for(sources)
         futures = batcher.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline)
         for future in futures:
             self._owners[future] = batcher

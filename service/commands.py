@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 # Flags of `serve` that override a `Settings` field of the same name (None = not given).
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "batch_workers", "max_batch_size",
-    "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching",
+    "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "length_routing",
     "max_join_wait_ms", "spinning", "cpu_memory_arena", "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error",
@@ -56,6 +56,10 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-memory-arena", action=argparse.BooleanOptionalAction,
                    help="let onnxruntime keep its largest batch's CPU buffers (default off: "
                    "lower RSS, a few %% slower)")
+    p.add_argument("--length-routing", action=argparse.BooleanOptionalAction,
+                   help="with several batch workers, send a request to the one whose rows have "
+                   "the closest source length among the nearly least loaded (default on; "
+                   "--no-length-routing: the least loaded)")
     p.add_argument("--max-batch-size", type=int, help="rows per batch (default 64)")
     p.add_argument("--max-batch-tokens", type=int,
                    help="padded source tokens x beams per batch (default 8192)")

@@ -273,9 +273,10 @@ class ModelRegistry:
             retry_after_s=settings.retry_after_s,
         )
         running_batch = self._running_batch(runtime) if self._running_batch else None
+        length_slack = max(1, settings.max_batch_size // 8) if settings.length_routing else 0
         entry.batcher = BatcherPool(entry.name, [
             Batcher(entry.name, generate, limits, running_batch, thread_name=f"batch-{entry.name}-{index}")
-            for index in range(workers)])
+            for index in range(workers)], length_slack=length_slack)
         entry.batcher.start()
         entry.runtime = runtime
         entry.task = runtime.task

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
         description="threads per model, each running its own batches (and running batch); "
         "0 = 3 on the CPU (the best of 1-4 on a 2-core machine, bench/results/levers), 1 on CUDA",
     )
+    length_routing: bool = Field(
+        default=True, description="batch workers settle into bands of source length: a request "
+        "goes to the closest among those within an eighth of max_batch_size of the least loaded",
+    )
     max_batch_size: int = Field(default=64, ge=1, description="rows (texts) per batch")
     max_batch_tokens: int = Field(default=8192, ge=1, description="padded tokens x beams")
     max_wait_ms: float = Field(default=5.0, ge=0, description="longest wait to fill a batch")
