@@ -49,6 +49,7 @@ VARIANTS: dict[str, list[str]] = {
     "batch workers take the least loaded, not by length": ["--no-length-routing"],
     "request-level (dynamic) batching": ["--no-continuous-batching"],
     "continuous, rows join at once (no groups)": ["--max-join-wait-ms", "0"],
+    "continuous, rows join a batch of any age": ["--max-join-age", "0"],
     "continuous, max_batch_size 32": ["--max-batch-size", "32"],
     "onnxruntime threads spin between calls": ["--spinning"],
     "two onnxruntime threads per session (workers share them)": ["--threads", "2"],

@@ -18,7 +18,9 @@ it, their futures resolved, as soon as they finish. A join costs an encoder call
 the batch's state, so rows join in groups of a quarter of the running batch (at most
 `join_rows`, a quarter of `max_batch_size`; at once into a batch of fewer than 4 rows), or
 when the oldest has waited `max_join_wait_s` -- unless more rows wait than fit: then they wait
-for room for a whole group. The worker thread steps the running batch until something new
+for room for a whole group. With `max_join_age`, rows wait while the batch's oldest row has run
+more than that many steps: a newcomer's cache is padded to the oldest row's length, and on a
+CPU a shorter cache saves more than a fuller batch gains. The worker thread steps the running batch until something new
 arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
 running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
 between two steps of the running batch when they are the oldest queued rows.
@@ -70,6 +72,8 @@ class RunningBatchLike(Protocol):
     """What continuous batching uses of `service.continuous.RunningBatch` (owners are rows)."""
 
     def __len__(self) -> int: ...
+    @property
+    def oldest_age(self) -> int: ...
     def add(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
             hooks: Sequence[RowHooks | None] | None = None) -> None: ...
     def step(self) -> Sequence[tuple[Any, Generated]]: ...
@@ -97,6 +101,7 @@ class BatchLimits:
     max_batch_tokens: int = 8192
     max_wait_s: float = 0.005
     max_join_wait_s: float = 0.1  # continuous batching: longest wait to join in a group
+    max_join_age: int = 0  # continuous batching: join only while the oldest row ran <= this many steps (0: any)
     max_queue_size: int = 256
     retry_after_s: int = 1
 
@@ -421,6 +426,8 @@ class Batcher:
         """Remove from the queue the greedy rows that fit in the running batch, oldest first,
         when they may join now (see the module's docstring); else none."""
         assert self._batch is not None
+        if self.limits.max_join_age and self._decoding and self._batch.oldest_age > self.limits.max_join_age:
+            return []  # the newcomers' cache would be padded to the old row's length: wait
         room = self.limits.max_batch_size - len(self._decoding)
         longest = max((len(row.source) for row in self._decoding), default=0)
         rows = len(self._decoding)

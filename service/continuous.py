@@ -89,6 +89,12 @@ class RunningBatch(Generic[Owner]):
         return int(self._source_mask.shape[1])
 
     @property
+    def oldest_age(self) -> int:
+        """Decoder steps the oldest live row has run (0 when empty): the cache a newcomer would
+        be padded to, once the columns of finished rows are trimmed at the join."""
+        return max((len(m.tokens) for m in list(self._members) if m is not None), default=0)
+
+    @property
     def cache_len(self) -> int:
         """Cached decoder positions per row (0 when empty)."""
         return int(self._target_mask.shape[1])

@@ -75,6 +75,11 @@ class Settings(BaseSettings):
         default=100.0, ge=0,
         description="continuous: longest wait to join the running batch in a group",
     )
+    max_join_age: int = Field(
+        default=24, ge=0, description="continuous: rows join only while the running batch's oldest "
+        "row has run at most this many decoder steps, since a newcomer's cache is padded to its "
+        "length (0 = any)",
+    )
     max_queue_size: int = Field(default=256, ge=1, description="rows waiting, per model")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
 

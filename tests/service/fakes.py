@@ -137,6 +137,10 @@ class FakeRunningBatch:
     def __len__(self) -> int:
         return len(self.members)
 
+    @property
+    def oldest_age(self) -> int:
+        return max((m.emitted for m in list(self.members)), default=0)
+
     def add(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
             hooks: Sequence[Any] | None = None) -> None:
         hooks = hooks if hooks is not None else [None] * len(sources)

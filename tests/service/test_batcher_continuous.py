@@ -201,3 +201,33 @@ async def test_a_backlog_waits_for_room_for_a_whole_group() -> None:
     # the first 16 joined together, the other 16 in groups of 3 or more (one by one: 17 joins)
     assert batcher.counters.rows == 32 and batcher.counters.batches <= 7, batcher.counters
     await batcher.close(1)
+
+
+async def test_rows_wait_while_the_running_batch_is_older_than_max_join_age() -> None:
+    """A newcomer's cache would be padded to the oldest row's length: past `max_join_age` steps
+    it waits, and joins once the old row has left (a young batch it joins at once)."""
+    running = FakeRunningBatch(step_delay_s=0.004)
+    batcher = make("c-age", running, max_join_age=5, max_join_wait_s=0.0)
+    old = asyncio.ensure_future(batcher.submit([source(30)], 1, 100))
+    await asyncio.sleep(0.1)  # the old row has run more than 5 steps
+    young = await batcher.submit([source(3, start=40)], 1, 100)
+    assert old.done()  # it waited for the old row to finish
+    assert young == [reverse(source(3, start=40), 100)]
+    assert not [step for step in running.steps if len(step) == 2]  # never decoded side by side
+    first = asyncio.ensure_future(batcher.submit([source(30)], 1, 100))
+    await asyncio.sleep(0.005)  # one or two steps in: young enough
+    await batcher.submit([source(3, start=40)], 1, 100)
+    assert not first.done() and [step for step in running.steps if len(step) == 2]
+    await first
+    await batcher.close(1)
+
+
+def test_oldest_age_counts_the_steps_of_the_oldest_live_row(tiny_runtime: ModelRuntime) -> None:
+    batch: RunningBatch[str] = RunningBatch(tiny_runtime)
+    assert batch.oldest_age == 0
+    batch.add([[5, 6, 7, EOS]], ["old"], [50])
+    batch.step()
+    batch.step()
+    batch.add([[8, EOS]], ["new"], [50])
+    batch.step()
+    assert batch.oldest_age == 3
