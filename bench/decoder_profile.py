@@ -22,13 +22,14 @@ import numpy as np
 from bench import machine
 
 
-def profile(model_dir: Path, batch: int, past: int, source_len: int, steps: int, variant: str | None) -> dict[str, Any]:
+def profile(model_dir: Path, batch: int, past: int, source_len: int, steps: int, variant: str | None,
+            threads: int = 0) -> dict[str, Any]:
     """Per operator type: mean milliseconds per decoder step and share of the step."""
     from service import runtime as runtime_module
 
     prefix = str(Path(tempfile.mkdtemp()) / "onnxruntime")
     runtime = runtime_module.ModelRuntime.load(model_dir, providers=["CPUExecutionProvider"], variant=variant,
-                                               profile_prefix=prefix)
+                                               threads=threads, profile_prefix=prefix)
     state = runtime.encode(runtime.pad([[5] * (source_len - 1) + [runtime.eos_id]] * batch))
     shape = (batch, runtime.n_heads, past, runtime.head_dim)
     cache = runtime_module.KVCache([np.zeros(shape, np.float32)] * runtime.n_decoder_layers,
@@ -61,10 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--past", type=int, default=30)
     parser.add_argument("--source-len", type=int, default=31)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime's default)")
     args = parser.parse_args(argv)
-    result = profile(args.model, args.batch, args.past, args.source_len, args.steps, args.variant)
+    result = profile(args.model, args.batch, args.past, args.source_len, args.steps, args.variant, args.threads)
     result.update(command="python -m bench.decoder_profile " + shlex.join(sys.argv[1:] if argv is None else argv),
-                  batch=args.batch, past=args.past, source_len=args.source_len, machine=machine.describe())
+                  batch=args.batch, past=args.past, source_len=args.source_len, threads=args.threads,
+                  machine=machine.describe())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     for op, values in list(result["ops"].items())[:10]:

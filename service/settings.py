@@ -62,7 +62,8 @@ class Settings(BaseSettings):
     batch_workers: int = Field(
         default=0, ge=0, le=16,
         description="threads per model, each running its own batches (and running batch); "
-        "0 = 3 on the CPU (the best of 1-4 on a 2-core machine, bench/results/levers), 1 on CUDA",
+        "0 = 3 on the CPU (on a 2-core machine 2-4 measure alike and 1 slower, bench/results/levers), "
+        "1 on CUDA",
     )
     length_routing: bool = Field(
         default=True, description="batch workers settle into bands of source length: a request "

@@ -3,8 +3,9 @@
     python -m uvicorn tests.service.load_app:create_load_app --factory --port 8000
 
 The fake model sleeps `ATTNSERVE_FAKE_DELAY_S` (default 0.05) per batch in the worker thread,
-so with `ATTNSERVE_MAX_BATCH_SIZE` rows per batch the capacity is about
-max_batch_size / delay requests per second, whatever else the machine does. Every other
+so with `ATTNSERVE_MAX_BATCH_SIZE` rows per batch and `ATTNSERVE_BATCH_WORKERS` workers the
+capacity is about workers x max_batch_size / delay requests per second, whatever else the
+machine does. Every other
 setting comes from the `ATTNSERVE_*` environment as usual.
 """
 
