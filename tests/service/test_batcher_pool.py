@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 
@@ -127,3 +128,31 @@ def test_batch_workers_default_to_three_on_the_cpu_and_share_its_cores() -> None
     assert settings.session_threads() == max(1, cpu_cores() // 3)
     given = Settings(batch_workers=3, threads=5)
     assert given.batch_workers_on("CUDAExecutionProvider") == 3 and given.session_threads() == 5
+
+
+async def test_length_routing_keeps_similar_lengths_together_within_the_slack() -> None:
+    model = FakeModel()
+    model.gate = threading.Event()
+    pool = BatcherPool("pool-length", [Batcher("pool-length", model.generate,  # type: ignore[arg-type]
+                                               BatchLimits(max_wait_s=0.0, max_batch_size=1))
+                                       for _ in range(2)], length_slack=2)
+    pool.start()
+    short, long = pool.batchers
+    futures: list[asyncio.Future[Any]] = []
+    try:
+        futures.append(asyncio.ensure_future(pool.submit([source(3)], 1, 5)))  # to an idle one: the first
+        await asyncio.sleep(0.02)
+        futures.append(asyncio.ensure_future(pool.submit([source(40)], 1, 50)))  # the idle one matches best
+        await asyncio.sleep(0.02)
+        for length in (39, 4, 2):  # each to the batcher of its band (loads stay within the slack)
+            futures.append(asyncio.ensure_future(pool.submit([source(length)], 1, 50)))
+            await asyncio.sleep(0.02)
+        assert short.source_tokens() == (3, 4 + 5 + 3) and long.source_tokens() == (2, 41 + 40)
+        for _ in range(3):  # loads 3 vs 2 and 4 vs 2: to its band; 5 vs 2 is over the slack of 2
+            futures.append(asyncio.ensure_future(pool.submit([source(3)], 1, 5)))
+            await asyncio.sleep(0.02)
+        assert short.source_tokens() == (5, 4 + 5 + 3 + 4 + 4) and long.source_tokens() == (3, 41 + 40 + 4)
+    finally:
+        model.gate.set()
+    await asyncio.gather(*futures)
+    await pool.close(1)
