@@ -142,6 +142,24 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_in_turns(args: argparse.Namespace, workload: workload_module.Workload,
+                  runs: dict[str, list[dict[str, Any]]],
+                  reference: Callable[[], dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """`args.repeats` rounds of every variant (and the reference first); returns its runs."""
+    reference_runs: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        if reference is not None:
+            reference_runs.append(reference())
+            logger.info("CTranslate2 int8: %.1f sentences/s", reference_runs[-1]["sentences_per_s"])
+        for index, name in enumerate(args.variants):
+            logger.info("%s (run %d) ...", name, repeat + 1)
+            run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS[name],
+                          args.out / "logs" / f"{index}-{repeat}.log", args.rate, args.duration_s)
+            logger.info("%s: %.1f sentences/s", name, run["sentences_per_s"])
+            runs[name].append(run)
+    return reference_runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", type=Path, default=Path("models"))
@@ -173,19 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats, "variants": {},
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
-    scratch = tempfile.TemporaryDirectory(prefix="levers-")
-    reference = ctranslate2_reference(folder, workload, Path(scratch.name)) if args.ctranslate2 else None
-    reference_runs: list[dict[str, Any]] = []
-    for repeat in range(args.repeats):
-        if reference is not None:
-            reference_runs.append(reference())
-            logger.info("CTranslate2 int8: %.1f sentences/s", reference_runs[-1]["sentences_per_s"])
-        for index, name in enumerate(args.variants):
-            logger.info("%s (run %d) ...", name, repeat + 1)
-            run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS[name],
-                          args.out / "logs" / f"{index}-{repeat}.log", args.rate, args.duration_s)
-            logger.info("%s: %.1f sentences/s", name, run["sentences_per_s"])
-            runs[name].append(run)
+    with tempfile.TemporaryDirectory(prefix="levers-") as scratch:
+        reference = ctranslate2_reference(folder, workload, Path(scratch)) if args.ctranslate2 else None
+        reference_runs = _run_in_turns(args, workload, runs, reference)
     median_by = "latency_p95_s" if args.rate else "sentences_per_s"  # open loop: all keep the rate
     for name, variant_runs in runs.items():
         ordered = sorted(variant_runs, key=lambda r: r[median_by])
@@ -193,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     if reference_runs:
         ordered = sorted(reference_runs, key=lambda r: r["sentences_per_s"])
         results["ctranslate2"] = {**ordered[len(ordered) // 2], "runs": reference_runs}
-    scratch.cleanup()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "levers.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (args.out / "levers.md").write_text(markdown(results), encoding="utf-8")

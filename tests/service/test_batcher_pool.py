@@ -29,6 +29,16 @@ def make_pool(model: FakeModel, name: str, workers: int = 2, **limits: float) ->
     return pool
 
 
+async def held_pool(name: str, **limits: float) -> tuple[FakeModel, BatcherPool, list[asyncio.Future[Any]]]:
+    """Two batchers of one row per batch, each holding a row until `model.gate` is set."""
+    model = FakeModel()
+    model.gate = threading.Event()
+    pool = make_pool(model, name, max_wait_s=0.0, max_batch_size=1, **limits)
+    running = [asyncio.ensure_future(pool.submit([source(2)], 1, 5)) for _ in range(2)]
+    await asyncio.sleep(0.05)  # one row running in each batcher
+    return model, pool, running
+
+
 def queue_depth(name: str) -> float:
     return metrics.REGISTRY.get_sample_value("attnserve_queue_depth", {"model": name}) or 0.0
 
@@ -57,11 +67,7 @@ async def test_requests_spread_over_the_batchers_and_run_at_once() -> None:
 
 
 async def test_queue_depth_is_the_sum_over_the_batchers() -> None:
-    model = FakeModel()
-    model.gate = threading.Event()
-    pool = make_pool(model, "pool-depth", max_wait_s=0.0, max_batch_size=1)
-    busy = [asyncio.ensure_future(pool.submit([source(2)], 1, 5)) for _ in range(2)]
-    await asyncio.sleep(0.05)  # one row running in each batcher
+    model, pool, busy = await held_pool("pool-depth")
     queued = [asyncio.ensure_future(pool.submit([source(2)], 1, 5)) for _ in range(3)]
     await asyncio.sleep(0.05)
     assert pool.depth == 3 and sorted(b.depth for b in pool.batchers) == [1, 2]
@@ -73,11 +79,7 @@ async def test_queue_depth_is_the_sum_over_the_batchers() -> None:
 
 
 async def test_a_full_pool_refuses_once_and_a_request_goes_where_there_is_room() -> None:
-    model = FakeModel()
-    model.gate = threading.Event()
-    pool = make_pool(model, "pool-full", max_wait_s=0.0, max_batch_size=1, max_queue_size=2)
-    running = [asyncio.ensure_future(pool.submit([source(2)], 1, 5)) for _ in range(2)]
-    await asyncio.sleep(0.05)
+    model, pool, running = await held_pool("pool-full", max_queue_size=2)
     three = asyncio.ensure_future(pool.submit([source(2)] * 2, 1, 5))  # fills one queue
     await asyncio.sleep(0.05)
     two = asyncio.ensure_future(pool.submit([source(2)] * 2, 1, 5))  # fits in the other one only
@@ -93,11 +95,7 @@ async def test_a_full_pool_refuses_once_and_a_request_goes_where_there_is_room()
 
 
 async def test_cancel_finds_the_batcher_that_holds_the_row() -> None:
-    model = FakeModel()
-    model.gate = threading.Event()
-    pool = make_pool(model, "pool-cancel", max_wait_s=0.0, max_batch_size=1)
-    running = [asyncio.ensure_future(pool.submit([source(2)], 1, 5)) for _ in range(2)]
-    await asyncio.sleep(0.05)
+    model, pool, running = await held_pool("pool-cancel")
     [future] = pool.enqueue([source(4)], 1, 5, hooks=[RowHooks()])
     holder = next(b for b in pool.batchers if b.depth)
     assert pool.cancel(future) == "queued"
