@@ -11,6 +11,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 QUICK = {"sentences": 16, "summaries": 8, "concurrency": [1, 4], "duration_s": 20.0, "open_duration_s": 5.0,
+         "open_repeats": 1,
          "batch_sizes": [1, 8], "single_sentences": 8, "naive_requests": 8}
 
 
@@ -38,6 +39,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", type=float, default=None,
                    help="open-loop requests/s (default 70%% of the best closed-loop throughput)")
     p.add_argument("--open-duration-s", type=float, default=30.0, help="open-loop run length (default 30)")
+    p.add_argument("--open-repeats", type=int, default=3,
+                   help="open loops of continuous and dynamic batching, in turns; the median by p95 counts (default 3)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64],
                    help="in-process batch sizes (default 1 8 32 64)")
     p.add_argument("--single-sentences", type=int, default=200,
@@ -61,6 +64,7 @@ def _bench(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     values = {"sentences": args.sentences, "summaries": args.summaries, "concurrency": args.concurrency,
               "duration_s": args.duration_s, "open_duration_s": args.open_duration_s,
+              "open_repeats": args.open_repeats,
               "batch_sizes": args.batch_sizes, "single_sentences": args.single_sentences,
               "naive_requests": args.naive_requests}
     if args.quick:

@@ -43,6 +43,7 @@ class BenchConfig:
     duration_s: float = 120.0  # cap on each closed-loop run and each baseline pass
     rate: float | None = None  # open-loop requests/s; None = 70% of the best closed-loop throughput
     open_duration_s: float = 30.0
+    open_repeats: int = 3  # open loops of continuous and dynamic batching, in turns (median by p95)
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     single_sentences: int = 200  # CTranslate2 one-sentence-per-call latency sample
     naive_requests: int = 200  # the naive server is slow: it answers at most this many per task
@@ -82,20 +83,13 @@ def _stats(result: loadgen.LoadResult, **extra: Any) -> dict[str, Any]:
 
 def run_service(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any]) -> None:
     """`attnserve serve` with request-level (dynamic) batching, continuous batching, then none:
-    closed loop at each concurrency, then open loop. The open loop's rate (unless given) is 70%
-    of the dynamic server's best closed-loop throughput, a load both batching modes sustain."""
+    closed loop at each concurrency (and, without batching, one open loop); then the open loops
+    of continuous and dynamic batching in turns (`run_open_loops_in_turns`). The open loop's
+    rate (unless given) is 70% of the dynamic server's best closed-loop throughput."""
     rates: dict[str, float] = {}
     for mode in ("dynamic", "continuous", "batching_off"):
-        port = free_port()
-        command = service_command(config.models_dir, port, mode, config.threads, config.providers)
-        server = ServerProcess(command, port,
-                               config.out_dir / "logs" / f"{config.name}-service-{mode}.log",
-                               env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
-        _timed(f"start service ({mode})", server.start)
+        server = _start_service(config, mode, results)
         try:
-            cards = httpx.get(server.url + "/v1/models", timeout=10).json().get("models", [])
-            results["servers"][f"service_{mode}"] = {
-                "variants": {c.get("name"): f"{c.get('variant')} on {c.get('provider')}" for c in cards}}
             for model, workload in workloads.items():
                 url = server.url + ROUTES[workload.task]
                 asyncio.run(loadgen.closed_loop(url, workload.texts[:2], 2))  # warm-up
@@ -109,14 +103,73 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
                 if model not in rates:
                     best = max(v["sentences_per_s"] for v in closed.values())
                     rates[model] = config.rate or max(OPEN_LOOP_LOAD * best, 0.1)
-                result = _timed(f"service {mode} {model} open {rates[model]:.2f}/s", asyncio.run,
-                                loadgen.open_loop(url, workload.texts, rates[model], config.open_duration_s))
-                entry["open"] = _stats(result, offered_rate=rates[model])
+                if mode == "batching_off":
+                    entry["open"] = _open_loop(config, server, mode, model, workload, rates[model])
         finally:
-            peak = server.stop()
-        results["servers"][f"service_{mode}"].update(peak_rss_mb=round(peak, 1), models=list(workloads))
-        for model in workloads:
-            results["tasks"][model]["service"][mode]["peak_rss_mb"] = round(peak, 1)
+            _record_peak_rss(results, mode, server.stop(), workloads)
+    run_open_loops_in_turns(config, workloads, results, rates)
+
+
+def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any],
+                            rates: dict[str, float]) -> None:
+    """The open loops of dynamic and continuous batching, `config.open_repeats` turns of each
+    (dynamic, continuous, dynamic, ...) on two servers started together, so a drift of the
+    machine's speed shows as spread rather than favouring one mode. Each mode's `open` is its
+    median run by p95, with every run's p95 beside it (`p95_of_runs_s`)."""
+    modes = ("dynamic", "continuous")
+    servers: dict[str, ServerProcess] = {}
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(m, model): [] for m in modes for model in workloads}
+    try:
+        for mode in modes:
+            servers[mode] = _start_service(config, mode, results, log_suffix="-open")
+        for mode, server in servers.items():  # warm-up
+            for workload in workloads.values():
+                asyncio.run(loadgen.closed_loop(server.url + ROUTES[workload.task], workload.texts[:2], 2))
+        for _ in range(config.open_repeats):
+            for model, workload in workloads.items():
+                for mode, server in servers.items():
+                    runs[mode, model].append(_open_loop(config, server, mode, model, workload, rates[model]))
+    finally:
+        for mode, server in servers.items():
+            _record_peak_rss(results, mode, server.stop(), workloads)
+    for (mode, model), mode_runs in runs.items():
+        if not mode_runs:
+            continue
+        ordered = sorted(mode_runs, key=lambda run: run["latency_p95_s"] if run["latency_p95_s"] is not None
+                         else float("inf"))
+        results["tasks"][model]["service"][mode]["open"] = {
+            **ordered[(len(ordered) - 1) // 2], "p95_of_runs_s": [run["latency_p95_s"] for run in mode_runs]}
+
+
+def _start_service(config: BenchConfig, mode: str, results: dict[str, Any], log_suffix: str = "") -> ServerProcess:
+    """A started `attnserve serve` in batching `mode`; its models' variants go to `results`."""
+    port = free_port()
+    command = service_command(config.models_dir, port, mode, config.threads, config.providers)
+    log_path = config.out_dir / "logs" / f"{config.name}-service-{mode}{log_suffix}.log"
+    server = ServerProcess(command, port, log_path,
+                           env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
+    _timed(f"start service ({mode})", server.start)
+    cards = httpx.get(server.url + "/v1/models", timeout=10).json().get("models", [])
+    results["servers"].setdefault(f"service_{mode}", {})["variants"] = {
+        c.get("name"): f"{c.get('variant')} on {c.get('provider')}" for c in cards}
+    return server
+
+
+def _open_loop(config: BenchConfig, server: ServerProcess, mode: str, model: str, workload: Workload,
+               rate: float) -> dict[str, Any]:
+    result = _timed(f"service {mode} {model} open {rate:.2f}/s", asyncio.run,
+                    loadgen.open_loop(server.url + ROUTES[workload.task], workload.texts, rate,
+                                      config.open_duration_s))
+    return _stats(result, offered_rate=rate)
+
+
+def _record_peak_rss(results: dict[str, Any], mode: str, peak_mb: float, workloads: dict[str, Workload]) -> None:
+    """Keep the largest peak RSS a server of `mode` reached (it may be started more than once)."""
+    server = results["servers"].setdefault(f"service_{mode}", {})
+    server.update(peak_rss_mb=round(max(peak_mb, server.get("peak_rss_mb", 0.0)), 1), models=list(workloads))
+    for model in workloads:
+        entry = results["tasks"][model].setdefault("service", {}).setdefault(mode, {})
+        entry["peak_rss_mb"] = server["peak_rss_mb"]
 
 
 def run_naive(config: BenchConfig, models: dict[str, Path], workloads: dict[str, Workload],

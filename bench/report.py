@@ -47,6 +47,11 @@ def markdown(results: dict[str, Any]) -> str:
             cells = [row.get("sentences_per_s"), row.get("tokens_per_s"), row.get("latency_p50_s"),
                      row.get("latency_p95_s"), row.get("latency_p99_s"), row.get("errors")]
             lines.append(f"| {name} | " + " | ".join(_cell(c) for c in cells) + " |")
+        for mode, values in task_results.get("service", {}).items():
+            p95s = values.get("open", {}).get("p95_of_runs_s")
+            if p95s:
+                lines += ["", (f"service / {mode} / open is the median (by p95) of {len(p95s)} runs in turns; "
+                               f"p95 of each: {', '.join(_cell(p) for p in p95s)} s")]
         for key, value in task_results.items():
             if key.startswith("agreement"):
                 lines.append("")

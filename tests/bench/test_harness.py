@@ -18,7 +18,7 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     out = tmp_path / "results"
     status = main(["--log-level", "WARNING", "bench", "--models", str(models), "--data-dir", str(data),
                    "--out", str(out), "--name", "tiny", "--sentences", "6", "--concurrency", "1", "3",
-                   "--duration-s", "60", "--open-duration-s", "1", "--batch-sizes", "1", "4",
+                   "--duration-s", "60", "--open-duration-s", "1", "--open-repeats", "2", "--batch-sizes", "1", "4",
                    "--single-sentences", "3", "--naive-requests", "3", "--threads", "1"])
     assert status == 0
     results = json.loads((out / "tiny.json").read_text(encoding="utf-8"))
@@ -31,6 +31,9 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
                    for run in closed.values())
         assert task["service"][mode]["open"]["offered_rate"] > 0
         assert task["service"][mode]["peak_rss_mb"] > 50
+    for mode in ("continuous", "dynamic"):  # two runs in turns, the median by p95 kept
+        p95s = task["service"][mode]["open"]["p95_of_runs_s"]
+        assert len(p95s) == 2 and task["service"][mode]["open"]["latency_p95_s"] == min(p95s)
     assert task["naive"]["closed"]["c1"]["sentences"] == 3 and task["naive"]["closed"]["c1"]["errors"] == 0
     assert task["in_process"]["b4"]["sentences"] == 6
     assert task["in_process"]["b4_length_sorted"]["target_tokens"] == task["in_process"]["b4"]["target_tokens"]
@@ -44,7 +47,9 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
               task["ctranslate2"]["fp32_greedy_batch"]["target_tokens"]}
     assert len(tokens) == 1
     assert {t["name"] for t in results["targets"]} >= {"vs_ctranslate2_int8", "server_rss"}
-    assert "## tiny-reverse (6 inputs)" in (out / "tiny.md").read_text(encoding="utf-8")
+    report = (out / "tiny.md").read_text(encoding="utf-8")
+    assert "## tiny-reverse (6 inputs)" in report
+    assert "service / continuous / open is the median (by p95) of 2 runs in turns" in report
     assert (out / "tiny-tiny-reverse.png").stat().st_size > 10_000
 
 
