@@ -14,13 +14,15 @@ maps) runs in the same worker thread between batches, through `run`.
 Continuous batching (given a `running_batch` factory, `service.continuous.RunningBatch`):
 greedy rows do not wait for a batch to end. They join the running batch between two decoder
 steps (up to `max_batch_size` rows and `max_batch_tokens` padded source tokens in it) and leave
-it, their futures resolved, as soon as they finish. A join costs an encoder call and a copy of
-the batch's state, so rows join in groups of a quarter of the running batch (at most
+it, their futures resolved, as soon as they finish. A join costs an encoder call and (unless the
+newcomers fit in the slots of rows that left) a copy of the batch's state, so rows join in groups of a quarter of the running batch (at most
 `join_rows`, a quarter of `max_batch_size`; at once into a batch of fewer than 4 rows), or
 when the oldest has waited `max_join_wait_s` -- unless more rows wait than fit: then they wait
 for room for a whole group. With `max_join_age`, rows wait while the batch's oldest row has run
-more than that many steps: a newcomer's cache is padded to the oldest row's length, and on a
-CPU a shorter cache saves more than a fuller batch gains. The worker thread steps the running batch until something new
+more than `join_age_limit` steps: every row's cache is as long as the oldest row's output, so a
+join into an old batch makes every step longer, and under load a shorter cache saves more than a
+fuller batch gains. The limit is `max_join_age` for a batch of `join_rows` rows and scales
+inversely with the rows, so a small batch (light load) still takes newcomers at once. The worker thread steps the running batch until something new
 arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
 running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
 between two steps of the running batch when they are the oldest queued rows.
@@ -93,6 +95,14 @@ class RowHooks:
         return self.cancel.is_set()
 
 
+def join_age_limit(max_join_age: int, join_rows: int, rows: int) -> int:
+    """The most decoder steps a running batch of `rows` rows may have run (its oldest row) and
+    still take newcomers: `max_join_age` at `join_rows` rows, scaled inversely with the rows, so
+    that rows x age -- the cached positions each step carries -- stays within the same budget
+    (with the defaults, 24 x 16: age 96 at 4 rows, 24 at 16, 6 at 64)."""
+    return max_join_age * join_rows // max(rows, 1)
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     """How large a batch may grow, how long it waits to fill, how many rows may queue."""
@@ -101,7 +111,7 @@ class BatchLimits:
     max_batch_tokens: int = 8192
     max_wait_s: float = 0.005
     max_join_wait_s: float = 0.1  # continuous batching: longest wait to join in a group
-    max_join_age: int = 0  # continuous batching: join only while the oldest row ran <= this many steps (0: any)
+    max_join_age: int = 0  # continuous batching: the join age limit of a batch of `join_rows` rows (0: any)
     max_queue_size: int = 256
     retry_after_s: int = 1
 
@@ -426,7 +436,8 @@ class Batcher:
         """Remove from the queue the greedy rows that fit in the running batch, oldest first,
         when they may join now (see the module's docstring); else none."""
         assert self._batch is not None
-        if self.limits.max_join_age and self._decoding and self._batch.oldest_age > self.limits.max_join_age:
+        if self.limits.max_join_age and self._decoding and self._batch.oldest_age > join_age_limit(
+                self.limits.max_join_age, self.join_rows, len(self._decoding)):
             return []  # the newcomers' cache would be padded to the old row's length: wait
         room = self.limits.max_batch_size - len(self._decoding)
         longest = max((len(row.source) for row in self._decoding), default=0)

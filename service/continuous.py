@@ -50,14 +50,17 @@ class RunningBatch(Generic[Owner]):
     """The rows decoding together; `add` rows, call `step` until it is empty.
 
     A finished row leaves the results at once but its slot stays in the arrays (decoding
-    padding, its outputs ignored) until the next `add` or until a quarter of the slots are
-    dead: then one copy compacts the batch, trims unused columns and appends the newcomers.
-    That keeps the full-cache copies to about one per join instead of one per finished row.
+    padding, its outputs ignored). Newcomers take dead slots in place, writing only their own
+    rows, while there are enough and no cache columns to trim; otherwise, and when a quarter
+    of the slots are dead, one copy compacts the batch, trims unused columns and appends the
+    newcomers. That keeps the full-cache copies well under one per join.
     """
 
-    def __init__(self, runtime: Runtime, compact_fraction: float = 0.25, padding_slack: float = 1.25) -> None:
+    def __init__(self, runtime: Runtime, compact_fraction: float = 0.25, padding_slack: float = 1.25,
+                 trim_slack: int = 4) -> None:
         self.runtime = runtime
         self.compact_fraction = compact_fraction
+        self.trim_slack = trim_slack  # newcomers fill dead slots only while at most this many cache columns are unused
         self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
         self._members: list[_Member[Owner] | None] = []  # None: a dead slot
         self._source_mask = np.zeros((0, 0), dtype=bool)  # (B, S) True on real source tokens
@@ -117,8 +120,10 @@ class RunningBatch(Generic[Owner]):
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
         groups = _length_groups([len(sources[i]) for i in order], self.padding_slack)
         states = [self.runtime.encode(self.runtime.pad([sources[order[i]] for i in group])) for group in groups]
-        self._rebuild(states)
-        self._members += [_Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+        members = [_Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+        if not self._fill_dead_slots(states, members):
+            self._rebuild(states)
+            self._members += members
 
     def step(self) -> list[tuple[Owner, GenerationResult]]:
         """One decoder step for every row; returns the rows that finished (they have left)."""
@@ -169,6 +174,38 @@ class RunningBatch(Generic[Owner]):
         owners = self.owners
         self._members = []
         return owners
+
+    def _fill_dead_slots(self, newcomers: list[EncoderState], members: list[_Member[Owner]]) -> bool:
+        """Put the newcomers into dead slots in place, without copying the batch, when there
+        are enough and no newcomer's source is longer than the batch's; False if not (then
+        `_rebuild` does it). A slot's old cache positions are masked for its newcomer, as the
+        padding positions a rebuild gives it are, so it decodes the same tokens."""
+        dead = [i for i, member in enumerate(self._members) if member is None]
+        if (len(dead) < len(members) or self.cache_len - self.oldest_age > self.trim_slack
+                or any(state.source_mask.shape[1] > self.source_len for state in newcomers)):
+            return False  # too few slots, columns to trim, or a longer source: copy the batch
+        slots = iter(dead)
+        for state in newcomers:
+            keys = [to_numpy(k) for k in state.cross_keys]
+            values = [to_numpy(v) for v in state.cross_values]
+            width = state.source_mask.shape[1]
+            for row in range(state.source_mask.shape[0]):
+                slot = next(slots)
+                for layer in range(len(self._cross_keys)):
+                    for target, new in ((self._cross_keys[layer], keys[layer]),
+                                        (self._cross_values[layer], values[layer])):
+                        target[slot] = 0  # (h, S, d)
+                        target[slot, :, :width] = new[row]
+                    self._keys[layer][slot] = 0  # (h, P, d): masked, cleared all the same
+                    self._values[layer][slot] = 0
+                self._source_mask[slot] = False
+                self._source_mask[slot, :width] = state.source_mask[row]
+                self._target_mask[slot] = False
+                self._positions[slot] = 0
+                self._last[slot] = self.runtime.bos_id
+        for slot, member in zip(dead, members, strict=False):
+            self._members[slot] = member
+        return True
 
     def _rebuild(self, newcomers: list[EncoderState]) -> None:
         """One copy of every array: live rows kept, columns no live row uses trimmed, the

@@ -77,9 +77,10 @@ class Settings(BaseSettings):
         description="continuous: longest wait to join the running batch in a group",
     )
     max_join_age: int = Field(
-        default=24, ge=0, description="continuous: rows join only while the running batch's oldest "
-        "row has run at most this many decoder steps, since a newcomer's cache is padded to its "
-        "length (0 = any)",
+        default=24, ge=0, description="continuous: rows join a running batch of a quarter of "
+        "max_batch_size rows only while its oldest row has run at most this many decoder steps "
+        "(scaled inversely with the batch's rows), since every row's cache is as long as the "
+        "oldest row's (0 = any age)",
     )
     max_queue_size: int = Field(default=256, ge=1, description="rows waiting, per model")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")

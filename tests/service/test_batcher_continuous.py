@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from service.batcher import Batcher, BatchLimits, RowHooks
+from service.batcher import Batcher, BatchLimits, RowHooks, join_age_limit
 from service.continuous import RunningBatch
 from service.errors import InternalError
 from service.generation import generate
@@ -207,7 +207,8 @@ async def test_rows_wait_while_the_running_batch_is_older_than_max_join_age() ->
     """A newcomer's cache would be padded to the oldest row's length: past `max_join_age` steps
     it waits, and joins once the old row has left (a young batch it joins at once)."""
     running = FakeRunningBatch(step_delay_s=0.004)
-    batcher = make("c-age", running, max_join_age=5, max_join_wait_s=0.0)
+    # max_batch_size 4: join_rows 1, so a batch of one row takes newcomers up to age 5
+    batcher = make("c-age", running, max_join_age=5, max_join_wait_s=0.0, max_batch_size=4)
     old = asyncio.ensure_future(batcher.submit([source(30)], 1, 100))
     await asyncio.sleep(0.1)  # the old row has run more than 5 steps
     young = await batcher.submit([source(3, start=40)], 1, 100)
@@ -220,6 +221,11 @@ async def test_rows_wait_while_the_running_batch_is_older_than_max_join_age() ->
     assert not first.done() and [step for step in running.steps if len(step) == 2]
     await first
     await batcher.close(1)
+
+
+def test_the_join_age_limit_shrinks_as_the_batch_grows() -> None:
+    assert [join_age_limit(24, 16, rows) for rows in (1, 4, 16, 21, 64)] == [384, 96, 24, 18, 6]
+    assert join_age_limit(24, 16, 0) == 384  # an empty batch: the newcomers start it
 
 
 def test_oldest_age_counts_the_steps_of_the_oldest_live_row(tiny_runtime: ModelRuntime) -> None:

@@ -77,6 +77,34 @@ def test_finished_rows_leave_and_unused_columns_are_trimmed(tiny_runtime: ModelR
     assert (batch.owners, batch.cache_len, batch.source_len) == (["late"], 1, len(sources[0]))
 
 
+def test_newcomers_take_dead_slots_in_place_and_decode_what_they_decode_alone(
+        tiny_runtime: ModelRuntime, sources) -> None:
+    batch: RunningBatch[str] = RunningBatch(tiny_runtime, compact_fraction=0.9)
+    longest = max(sources[:6], key=len)
+    batch.add([longest, *sources[:3]], ["long", "a", "b", "c"], [12, 1, 1, 12])
+    assert sorted(owner for owner, _ in batch.step()) == ["a", "b"]  # token limit 1: two dead slots
+    cross_keys = batch._cross_keys[0]
+    batch.add([sources[4], sources[5]], ["d", "e"], [12, 12])
+    assert batch.slots == 4 and batch._cross_keys[0] is cross_keys  # written in place, not copied
+    results: dict[str, GenerationResult] = {}
+    _drain(batch, results, {})
+    for owner, source in {"d": sources[4], "e": sources[5]}.items():
+        expected = _alone(tiny_runtime, source, 12)
+        assert (results[owner].tokens, results[owner].finish_reason) == (expected.tokens, expected.finish_reason)
+        assert results[owner].score == pytest.approx(expected.score, abs=1e-4)
+
+
+def test_a_longer_source_or_columns_to_trim_rebuild_the_batch(tiny_runtime: ModelRuntime, sources) -> None:
+    batch: RunningBatch[str] = RunningBatch(tiny_runtime, compact_fraction=0.9, trim_slack=0)
+    short = min(sources, key=len)
+    batch.add([short, short], ["a", "b"], [1, 30])
+    batch.step()  # "a" leaves a dead slot
+    cross_keys = batch._cross_keys[0]
+    batch.add([max(sources, key=len)], ["long"], [5])  # longer than the batch's sources
+    assert batch._cross_keys[0] is not cross_keys and batch.slots == 2  # compacted, then appended
+    assert batch.source_len == len(max(sources, key=len))
+
+
 def test_token_limit_one_and_eos_first(tiny_runtime: ModelRuntime, sources) -> None:
     batch: RunningBatch[int] = RunningBatch(tiny_runtime)
     batch.add(sources[:3], [0, 1, 2], [1, 1, 1])
