@@ -40,7 +40,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="open-loop requests/s (default 70%% of the best closed-loop throughput)")
     p.add_argument("--open-duration-s", type=float, default=30.0, help="open-loop run length (default 30)")
     p.add_argument("--open-repeats", type=int, default=3,
-                   help="open loops of continuous and dynamic batching, in turns; the median by p95 counts (default 3)")
+                   help="turns of open loops of dynamic and continuous batching, each at 70%% of the dynamic server's "
+                   "throughput measured at its start; the turn with the median p95 ratio counts (default 3)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64],
                    help="in-process batch sizes (default 1 8 32 64)")
     p.add_argument("--single-sentences", type=int, default=200,

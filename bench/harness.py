@@ -43,7 +43,7 @@ class BenchConfig:
     duration_s: float = 120.0  # cap on each closed-loop run and each baseline pass
     rate: float | None = None  # open-loop requests/s; None = 70% of the best closed-loop throughput
     open_duration_s: float = 30.0
-    open_repeats: int = 3  # open loops of continuous and dynamic batching, in turns (median by p95)
+    open_repeats: int = 3  # turns of open loops of dynamic and continuous batching (the median turn counts)
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     single_sentences: int = 200  # CTranslate2 one-sentence-per-call latency sample
     naive_requests: int = 200  # the naive server is slow: it answers at most this many per task
@@ -112,13 +112,18 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
 
 def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any],
                             rates: dict[str, float]) -> None:
-    """The open loops of dynamic and continuous batching, `config.open_repeats` turns of each
-    (dynamic, continuous, dynamic, ...) on two servers started together, so a drift of the
-    machine's speed shows as spread rather than favouring one mode. Each mode's `open` is its
-    median run by p95, with every run's p95 beside it (`p95_of_runs_s`)."""
+    """The open loops of dynamic and continuous batching in `config.open_repeats` turns, on two
+    servers started together, so that a drift of the machine's speed is seen by both modes alike.
+
+    Each turn first measures the dynamic server's throughput at the top concurrency and offers
+    70% of it (unless `config.rate` is given), then runs the open loop of each mode at that rate:
+    a rate set once, minutes earlier, may exceed what the machine does now. Each task's `turns`
+    lists every turn's rate and p95s; each mode's `open` is its run from the turn with the
+    median p95 ratio (continuous / dynamic), so the target reads the median turn."""
     modes = ("dynamic", "continuous")
     servers: dict[str, ServerProcess] = {}
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(m, model): [] for m in modes for model in workloads}
+    turns: dict[str, list[dict[str, Any]]] = {model: [] for model in workloads}
+    top = max(config.concurrency)
     try:
         for mode in modes:
             servers[mode] = _start_service(config, mode, results, log_suffix="-open")
@@ -127,18 +132,37 @@ def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload],
                 asyncio.run(loadgen.closed_loop(server.url + ROUTES[workload.task], workload.texts[:2], 2))
         for _ in range(config.open_repeats):
             for model, workload in workloads.items():
+                rate = config.rate or rates[model]
+                turn: dict[str, Any] = {}
+                if config.rate is None:
+                    best = _timed(f"service dynamic {model} c{top} (this turn's rate)", asyncio.run,
+                                  loadgen.closed_loop(servers["dynamic"].url + ROUTES[workload.task],
+                                                      workload.texts, top, config.duration_s))
+                    turn["dynamic_sentences_per_s"] = best.stats().sentences_per_s
+                    rate = max(OPEN_LOOP_LOAD * turn["dynamic_sentences_per_s"], 0.1)
                 for mode, server in servers.items():
-                    runs[mode, model].append(_open_loop(config, server, mode, model, workload, rates[model]))
+                    turn[mode] = _open_loop(config, server, mode, model, workload, rate)
+                turns[model].append(turn)
     finally:
         for mode, server in servers.items():
             _record_peak_rss(results, mode, server.stop(), workloads)
-    for (mode, model), mode_runs in runs.items():
-        if not mode_runs:
+    for model, model_turns in turns.items():
+        if not model_turns:
             continue
-        ordered = sorted(mode_runs, key=lambda run: run["latency_p95_s"] if run["latency_p95_s"] is not None
-                         else float("inf"))
-        results["tasks"][model]["service"][mode]["open"] = {
-            **ordered[(len(ordered) - 1) // 2], "p95_of_runs_s": [run["latency_p95_s"] for run in mode_runs]}
+        ordered = sorted(model_turns, key=_p95_ratio)
+        median = ordered[(len(ordered) - 1) // 2]
+        for mode in modes:
+            results["tasks"][model]["service"][mode]["open"] = median[mode]
+        results["tasks"][model]["service_open_turns"] = [
+            {"offered_rate": turn["dynamic"]["offered_rate"], "dynamic_p95_s": turn["dynamic"]["latency_p95_s"],
+             "continuous_p95_s": turn["continuous"]["latency_p95_s"], "p95_ratio": _p95_ratio(turn)}
+            for turn in model_turns]
+
+
+def _p95_ratio(turn: dict[str, Any]) -> float:
+    """continuous / dynamic p95 of one turn (infinite when either is missing)."""
+    dynamic, continuous = turn["dynamic"]["latency_p95_s"], turn["continuous"]["latency_p95_s"]
+    return continuous / dynamic if dynamic and continuous is not None else float("inf")
 
 
 def _start_service(config: BenchConfig, mode: str, results: dict[str, Any], log_suffix: str = "") -> ServerProcess:

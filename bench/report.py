@@ -47,11 +47,15 @@ def markdown(results: dict[str, Any]) -> str:
             cells = [row.get("sentences_per_s"), row.get("tokens_per_s"), row.get("latency_p50_s"),
                      row.get("latency_p95_s"), row.get("latency_p99_s"), row.get("errors")]
             lines.append(f"| {name} | " + " | ".join(_cell(c) for c in cells) + " |")
-        for mode, values in task_results.get("service", {}).items():
-            p95s = values.get("open", {}).get("p95_of_runs_s")
-            if p95s:
-                lines += ["", (f"service / {mode} / open is the median (by p95) of {len(p95s)} runs in turns; "
-                               f"p95 of each: {', '.join(_cell(p) for p in p95s)} s")]
+        turns = task_results.get("service_open_turns", [])
+        if turns:
+            lines += ["", (f"Open loops in {len(turns)} turns (dynamic then continuous, at 70% of the dynamic "
+                           "server's throughput measured at the start of each turn); the open rows above are the "
+                           "turn with the median ratio:"), "",
+                      "| turn | offered requests/s | dynamic p95 s | continuous p95 s | continuous / dynamic |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {i} | {_cell(t['offered_rate'], 2)} | {_cell(t['dynamic_p95_s'])} | "
+                      f"{_cell(t['continuous_p95_s'])} | {_cell(t['p95_ratio'], 2)} |" for i, t in enumerate(turns, 1)]
         for key, value in task_results.items():
             if key.startswith("agreement"):
                 lines.append("")
