@@ -1,0 +1,21 @@
+"""bench.join_cost on the tiny model: both join modes replay the same schedule, and filling
+dead slots in place copies the batch less often."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.join_cost import main
+
+
+def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    models, data = tiny_bench_dirs
+    out = tmp_path / "join_cost.json"
+    assert main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data), "--out", str(out),
+                 "--sentences", "60", "--rows", "12", "--group", "2", "--repeats", "1"]) == 0
+    modes = json.loads(out.read_text(encoding="utf-8"))["modes"]
+    in_place, copying = modes["dead slots filled in place"]["median"], modes["every join copies the batch"]["median"]
+    assert in_place["steps"] > 0 and copying["steps"] > 0
+    assert in_place["steps"] == copying["steps"]  # the same schedule: the same tokens
+    assert 0 < in_place["copies"] < copying["copies"]  # some joins still copy (a longer source, trimming)
