@@ -14,16 +14,17 @@ maps) runs in the same worker thread between batches, through `run`.
 Continuous batching (given a `running_batch` factory, `service.continuous.RunningBatch`):
 greedy rows do not wait for a batch to end. They join the running batch between two decoder
 steps (up to `max_batch_size` rows and `max_batch_tokens` padded source tokens in it) and leave
-it, their futures resolved, as soon as they finish. A join costs an encoder call and (unless the
-newcomers fit in the slots of rows that left) a copy of the batch's state, so rows join in groups of a quarter of the running batch (at most
-`join_rows`, a quarter of `max_batch_size`; at once into a batch of fewer than 4 rows), or
+it, their futures resolved, as soon as they finish. A join costs an encoder call and (unless
+the newcomers fit in the slots of rows that left) a copy of the batch's state, so rows join in
+groups of a quarter of the running batch (at most `join_rows`, a quarter of `max_batch_size`;
+at once into a batch of fewer than 4 rows), or
 when the oldest has waited `max_join_wait_s` -- unless more rows wait than fit: then they wait
 for room for a whole group. With `max_join_age`, rows wait while the batch's oldest row has run
 more than `join_age_limit` steps: every row's cache is as long as the oldest row's output, so a
 join into an old batch makes every step longer, and under load a shorter cache saves more than a
 fuller batch gains. The limit is `max_join_age` for a batch of `join_rows` rows and scales
-inversely with the rows, so a small batch (light load) still takes newcomers at once. The worker thread steps the running batch until something new
-arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
+inversely with the rows, so a small batch (light load) still takes newcomers at once. The
+worker thread steps the running batch until something new arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
 running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
 between two steps of the running batch when they are the oldest queued rows.
 

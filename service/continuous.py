@@ -177,32 +177,30 @@ class RunningBatch(Generic[Owner]):
 
     def _fill_dead_slots(self, newcomers: list[EncoderState], members: list[_Member[Owner]]) -> bool:
         """Put the newcomers into dead slots in place, without copying the batch, when there
-        are enough and no newcomer's source is longer than the batch's; False if not (then
-        `_rebuild` does it). A slot's old cache positions are masked for its newcomer, as the
+        are enough, at most `trim_slack` cache columns are unused and no newcomer's source is
+        longer than the batch's; False if not (then `_rebuild` does it). A slot's old cache positions are masked for its newcomer, as the
         padding positions a rebuild gives it are, so it decodes the same tokens."""
         dead = [i for i, member in enumerate(self._members) if member is None]
         if (len(dead) < len(members) or self.cache_len - self.oldest_age > self.trim_slack
                 or any(state.source_mask.shape[1] > self.source_len for state in newcomers)):
             return False  # too few slots, columns to trim, or a longer source: copy the batch
-        slots = iter(dead)
-        for state in newcomers:
-            keys = [to_numpy(k) for k in state.cross_keys]
-            values = [to_numpy(v) for v in state.cross_values]
-            width = state.source_mask.shape[1]
-            for row in range(state.source_mask.shape[0]):
-                slot = next(slots)
-                for layer in range(len(self._cross_keys)):
-                    for target, new in ((self._cross_keys[layer], keys[layer]),
-                                        (self._cross_values[layer], values[layer])):
-                        target[slot] = 0  # (h, S, d)
-                        target[slot, :, :width] = new[row]
-                    self._keys[layer][slot] = 0  # (h, P, d): masked, cleared all the same
-                    self._values[layer][slot] = 0
-                self._source_mask[slot] = False
-                self._source_mask[slot, :width] = state.source_mask[row]
-                self._target_mask[slot] = False
-                self._positions[slot] = 0
-                self._last[slot] = self.runtime.bos_id
+        start = 0
+        for state in newcomers:  # a group encoded together: (count, width) sources
+            count, width = state.source_mask.shape
+            rows = np.asarray(dead[start:start + count], dtype=np.int64)
+            start += count
+            for layer, (keys, values) in enumerate(zip(state.cross_keys, state.cross_values, strict=True)):
+                for target, new in ((self._cross_keys[layer], to_numpy(keys)),
+                                    (self._cross_values[layer], to_numpy(values))):
+                    target[rows] = 0  # (count, h, S, d)
+                    target[rows, :, :width] = new
+                self._keys[layer][rows] = 0  # (count, h, P, d): masked, cleared all the same
+                self._values[layer][rows] = 0
+            self._source_mask[rows] = False
+            self._source_mask[rows, :width] = state.source_mask
+            self._target_mask[rows] = False
+            self._positions[rows] = 0
+            self._last[rows] = self.runtime.bos_id
         for slot, member in zip(dead, members, strict=False):
             self._members[slot] = member
         return True
