@@ -107,11 +107,10 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
                     entry["open"] = _open_loop(config, server, mode, model, workload, rates[model])
         finally:
             _record_peak_rss(results, mode, server.stop(), workloads)
-    run_open_loops_in_turns(config, workloads, results, rates)
+    run_open_loops_in_turns(config, workloads, results)
 
 
-def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any],
-                            rates: dict[str, float]) -> None:
+def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any]) -> None:
     """The open loops of dynamic and continuous batching in `config.open_repeats` turns, on two
     servers started together, so that a drift of the machine's speed is seen by both modes alike.
 
@@ -132,9 +131,9 @@ def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload],
                 asyncio.run(loadgen.closed_loop(server.url + ROUTES[workload.task], workload.texts[:2], 2))
         for _ in range(config.open_repeats):
             for model, workload in workloads.items():
-                rate = config.rate or rates[model]
                 turn: dict[str, Any] = {}
-                if config.rate is None:
+                rate = config.rate
+                if rate is None:
                     best = _timed(f"service dynamic {model} c{top} (this turn's rate)", asyncio.run,
                                   loadgen.closed_loop(servers["dynamic"].url + ROUTES[workload.task],
                                                       workload.texts, top, config.duration_s))
