@@ -13,15 +13,9 @@ decoder.onnx (one merged graph: past_len may be 0)
            target_mask (batch, total_len) bool with total_len = past_len + new_len;
            past_key.{i}, past_value.{i} (batch, heads, past_len, head_dim);
            cross_key.{i}, cross_value.{i} (batch, heads, source_len, head_dim)
-  outputs  logits (batch, new_len, vocab); new_key.{i}, new_value.{i} (batch, heads, new_len,
-           head_dim): the new positions' keys/values only, which the caller appends to its cache
-           (the graph reads the past where it is and never copies it); self_attention.{i}
-           (batch, heads, new_len, total_len); cross_attention.{i} (batch, heads, new_len,
-           source_len)
-
-The cache a caller feeds may hold masked columns (target_mask False): rows joined at different
-steps, or room the caller keeps for the next positions. Keys are not ordered by position (the
-positions are in the embeddings), so a new position's keys/values may be stored in any column.
+  outputs  logits (batch, new_len, vocab); present_key.{i}, present_value.{i}
+           (batch, heads, total_len, head_dim); self_attention.{i} (batch, heads, new_len,
+           total_len); cross_attention.{i} (batch, heads, new_len, source_len)
 """
 
 from __future__ import annotations
@@ -53,9 +47,8 @@ def past_names(n_decoder_layers: int) -> list[str]:
     return [f"past_{kind}.{i}" for i in range(n_decoder_layers) for kind in ("key", "value")]
 
 
-def new_key_value_names(n_decoder_layers: int) -> list[str]:
-    """new_key.0, new_value.0, new_key.1, ...: the decoder's keys/values of its new positions."""
-    return [f"new_{kind}.{i}" for i in range(n_decoder_layers) for kind in ("key", "value")]
+def present_names(n_decoder_layers: int) -> list[str]:
+    return [f"present_{kind}.{i}" for i in range(n_decoder_layers) for kind in ("key", "value")]
 
 
 def decoder_inputs(n_decoder_layers: int) -> list[str]:
@@ -69,7 +62,7 @@ def decoder_attention_outputs(n_decoder_layers: int) -> list[str]:
 
 
 def decoder_outputs(n_decoder_layers: int) -> list[str]:
-    return ["logits"] + new_key_value_names(n_decoder_layers) + decoder_attention_outputs(n_decoder_layers)
+    return ["logits"] + present_names(n_decoder_layers) + decoder_attention_outputs(n_decoder_layers)
 
 
 _AXES = {
@@ -81,8 +74,8 @@ _AXES = {
     "cross_value": [BATCH, "heads", SOURCE_LEN, "head_dim"],
     "past_key": [BATCH, "heads", PAST_LEN, "head_dim"],
     "past_value": [BATCH, "heads", PAST_LEN, "head_dim"],
-    "new_key": [BATCH, "heads", NEW_LEN, "head_dim"],
-    "new_value": [BATCH, "heads", NEW_LEN, "head_dim"],
+    "present_key": [BATCH, "heads", TOTAL_LEN, "head_dim"],
+    "present_value": [BATCH, "heads", TOTAL_LEN, "head_dim"],
     "logits": [BATCH, NEW_LEN, "vocab"],
     "self_attention": [BATCH, "heads", NEW_LEN, TOTAL_LEN],
     "cross_attention": [BATCH, "heads", NEW_LEN, SOURCE_LEN],

@@ -10,8 +10,7 @@ tiny test model's decoder on our busy CPU), but it is deprecated; we keep the su
 and pay ~20 s per export in the test session fixture.
 
 One merged decoder rather than a first-step decoder plus a with-past decoder (optimum's
-layout): the step with past_len 0 is the same graph (attention over an empty past adds
-nothing), so
+layout): the step with past_len 0 is the same graph (`Concat` of an empty past is a no-op), so
 one file halves the decoder's weight storage on disk and in memory, the runtime holds one
 session, and a single call with past_len 0 gives teacher-forced attention for a whole target.
 The price is a graph that cannot specialise the first step; it has nothing to specialise:
@@ -80,8 +79,8 @@ class DecoderGraph(nn.Module):
             for i in range(len(self.model.decoder_layers))
         ]
         out = self.model.decode(input_ids, DecoderCache(layers, source_mask), target_mask, positions, need_weights=True)
-        new = [t for pair in zip(out.new_keys, out.new_values, strict=True) for t in pair]  # (B, h, T, d)
-        return (out.logits, *new, *out.self_attentions, *out.cross_attentions)
+        present = [t for layer in out.cache.layers for t in (layer.self_key, layer.self_value)]  # (B, h, P+T, d)
+        return (out.logits, *present, *out.self_attentions, *out.cross_attentions)
 
 
 def example_encoder_inputs(model: Transformer) -> tuple[Tensor]:

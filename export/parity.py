@@ -5,9 +5,9 @@ For a batch of one source and a batch of several sources of mixed lengths (right
 2. greedy decoding through onnxruntime (`service.generation`, key/value cache, rows leaving
    the batch) gives exactly the tokens and finish reasons of `model.decoding.greedy_decode`;
 3. without cache: one decoder call on BOS + those tokens (past length 0, right-padded target)
-   matches PyTorch's logits, the cache's keys/values and self-/cross-attention;
-4. with cache: the same targets fed one token a step, each step on the cache the previous
-   step extended (in place, with spare columns), match step t of PyTorch's teacher-forced call.
+   matches PyTorch's logits, present keys/values and self-/cross-attention;
+4. with cache: the same targets fed one token a step, each step on the previous step's
+   present keys/values, match step t of PyTorch's teacher-forced call.
 A difference beyond the tolerances raises a `ParityError` naming the output, the case and
 the size of the difference.
 """
@@ -144,8 +144,8 @@ def _check_case(model: Transformer, runtime: ModelRuntime, sources: list[list[in
     assert step.self_attentions is not None and step.cross_attentions is not None
     compare("logits", "logits (no cache)", step.logits, full.logits, LOGITS_ATOL)
     for i, layer in enumerate(full.cache.layers):
-        compare("cache_key_value", f"cache key.{i} (no cache)", step.cache.keys[i], layer.self_key, KEY_VALUE_ATOL)
-        compare("cache_key_value", f"cache value.{i} (no cache)", step.cache.values[i], layer.self_value,
+        compare("present_key_value", f"present_key.{i} (no cache)", step.cache.keys[i], layer.self_key, KEY_VALUE_ATOL)
+        compare("present_key_value", f"present_value.{i} (no cache)", step.cache.values[i], layer.self_value,
                 KEY_VALUE_ATOL)
         compare("self_attention", f"self_attention.{i} (no cache)", step.self_attentions[i],
                 full.self_attentions[i], ATTENTION_ATOL)
@@ -166,8 +166,8 @@ def _check_case(model: Transformer, runtime: ModelRuntime, sources: list[list[in
                     full.cross_attentions[i][:, :, t], ATTENTION_ATOL)
     assert cache is not None
     for i, layer in enumerate(full.cache.layers):
-        compare("cache_key_value", f"cache key.{i} (cache)", cache.keys[i], layer.self_key, KEY_VALUE_ATOL)
-        compare("cache_key_value", f"cache value.{i} (cache)", cache.values[i], layer.self_value, KEY_VALUE_ATOL)
+        compare("present_key_value", f"present_key.{i} (cache)", cache.keys[i], layer.self_key, KEY_VALUE_ATOL)
+        compare("present_key_value", f"present_value.{i} (cache)", cache.values[i], layer.self_value, KEY_VALUE_ATOL)
 
 
 def parity_sources(vocab_size: int, eos_id: int, lengths: tuple[int, ...] = (9, 3, 14, 6), seed: int = 0) -> list[list[int]]:

@@ -26,29 +26,19 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None)
 
 
 def scaled_dot_product_attention(
-    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, dropout: float = 0.0,
-    past: tuple[Tensor, Tensor] | None = None,
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, dropout: float = 0.0
 ) -> tuple[Tensor, Tensor]:
     """softmax(Q K^T / sqrt(d)) V, returning (output, weights).
 
-    query (B, h, T, d), key/value (B, h, S, d), mask broadcastable to (B, h, T, P+S).
-    `past` (keys, values), each (B, h, P, d), are attended before `key`/`value` as if
-    concatenated with them, without the copy: a decoder step reads its cache where it is.
-    Weights are (B, h, T, P+S); each row sums to 1 over allowed keys and is 0 on masked ones.
+    query (B, h, T, d), key/value (B, h, S, d), mask broadcastable to (B, h, T, S).
+    Weights are (B, h, T, S); each row sums to 1 over allowed keys and is 0 on masked ones.
     """
-    root = math.sqrt(query.size(-1))
-    scores = query @ key.transpose(-2, -1) / root  # (B, h, T, S)
-    if past is not None:
-        scores = torch.cat([query @ past[0].transpose(-2, -1) / root, scores], dim=-1)  # (B, h, T, P+S)
+    scores = query @ key.transpose(-2, -1) / math.sqrt(query.size(-1))  # (B, h, T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    weights = scores.float().softmax(dim=-1).to(value.dtype)  # (B, h, T, P+S)
-    attended = F.dropout(weights, p=dropout) if dropout > 0 else weights
-    if past is None:
-        return attended @ value, weights  # (B, h, T, d), (B, h, T, S)
-    length = past[1].size(2)
-    output = attended[..., :length] @ past[1] + attended[..., length:] @ value  # (B, h, T, d)
-    return output, weights
+    weights = scores.float().softmax(dim=-1).to(value.dtype)  # (B, h, T, S)
+    output = F.dropout(weights, p=dropout) @ value if dropout > 0 else weights @ value
+    return output, weights  # (B, h, T, d), (B, h, T, S)
 
 
 class MultiHeadAttention(nn.Module):
@@ -80,21 +70,17 @@ class MultiHeadAttention(nn.Module):
         value: Tensor,
         mask: Tensor | None,
         need_weights: bool = True,
-        past: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """Attend from `x` (B, T, D) over projected keys/values (B, h, S, d), after the `past`
-        keys/values (B, h, P, d) if given (see `scaled_dot_product_attention`).
+        """Attend from `x` (B, T, D) over projected keys/values (B, h, S, d).
 
-        Returns the output (B, T, D) and the weights (B, h, T, P+S), or None when
+        Returns the output (B, T, D) and the weights (B, h, T, S), or None when
         `need_weights` is False (then a fused kernel is used: training speed).
         """
         query = self.split_heads(self.query(x))  # (B, h, T, d)
         dropout = self.dropout if self.training else 0.0
         if need_weights:
-            context, weights = scaled_dot_product_attention(query, key, value, mask, dropout, past)
+            context, weights = scaled_dot_product_attention(query, key, value, mask, dropout)
         else:
-            if past is not None:  # the fused kernel takes one key/value tensor
-                key, value = torch.cat([past[0], key], dim=2), torch.cat([past[1], value], dim=2)  # (B, h, P+S, d)
             context = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout)
             weights = None
         batch, _, length, _ = context.shape

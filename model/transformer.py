@@ -2,11 +2,8 @@
 
 `Transformer.encode` runs the encoder once; `Transformer.start_decoding` turns its output into
 a `DecoderCache` (cross-attention keys/values computed once, empty self-attention cache);
-`Transformer.decode` runs the decoder on new target tokens and returns their keys/values (the
-grown cache on demand). The same path serves training (all target tokens at once) and
-generation (one token a step). Self-attention reads the cache where it is and attends to the
-new positions beside it, never concatenating the two, so the exported decoder graph outputs
-only the new positions' keys/values: a step copies no cache.
+`Transformer.decode` runs the decoder on new target tokens and returns the grown cache. The
+same path serves training (all target tokens at once) and generation (one token a step).
 """
 
 from __future__ import annotations
@@ -64,20 +61,9 @@ class EncoderOutput:
 @dataclass
 class DecoderOutput:
     logits: Tensor  # (B, T, V)
-    past: DecoderCache  # the cache the call read
-    new_keys: list[Tensor]  # per layer (B, h, T, d): self-attention keys of the new positions
-    new_values: list[Tensor]  # per layer (B, h, T, d)
+    cache: DecoderCache
     self_attentions: list[Tensor]  # per layer (B, h, T, P+T)
     cross_attentions: list[Tensor]  # per layer (B, h, T, S)
-
-    @property
-    def cache(self) -> DecoderCache:
-        """The cache grown by the T new positions (concatenated on each access)."""
-        layers = [
-            LayerCache(torch.cat([c.self_key, k], dim=2), torch.cat([c.self_value, v], dim=2), c.cross_key, c.cross_value)
-            for c, k, v in zip(self.past.layers, self.new_keys, self.new_values, strict=True)
-        ]  # (B, h, P+T, d)
-        return DecoderCache(layers, self.past.source_mask)
 
 
 class FeedForward(nn.Module):
@@ -151,18 +137,18 @@ class DecoderLayer(nn.Module):
         self_mask: Tensor,
         cross_mask: Tensor,
         need_weights: bool,
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    ) -> tuple[Tensor, LayerCache, Tensor | None, Tensor | None]:
         """x (B, T, D) new positions; self_mask (B, 1, T, P+T); cross_mask (B, 1, 1, S).
 
-        Returns the output (B, T, D), the new positions' self-attention keys and values
-        (B, h, T, d), and the self- and cross-attention weights (B, h, T, P+T) and (B, h, T, S),
-        or None.
+        Returns the output (B, T, D), the cache grown by T positions, and the self- and
+        cross-attention weights (B, h, T, P+T) and (B, h, T, S), or None.
         """
-        # 1. masked self-attention over the past and the new positions (the cache is not copied)
+        # 1. masked self-attention over the past and the new positions
         h = self.self_sublayer.input(x)
         new_key, new_value = self.self_attention.project_key_value(h)  # (B, h, T, d)
-        attended, self_weights = self.self_attention(h, new_key, new_value, self_mask, need_weights,
-                                                     past=(cache.self_key, cache.self_value))
+        key = torch.cat([cache.self_key, new_key], dim=2)  # (B, h, P+T, d)
+        value = torch.cat([cache.self_value, new_value], dim=2)  # (B, h, P+T, d)
+        attended, self_weights = self.self_attention(h, key, value, self_mask, need_weights)
         x = self.self_sublayer.output(x, attended)
         # 2. cross-attention over the encoder output (keys/values cached once)
         h = self.cross_sublayer.input(x)
@@ -172,7 +158,8 @@ class DecoderLayer(nn.Module):
         x = self.cross_sublayer.output(x, attended)
         # 3. feed-forward
         x = self.feed_forward_sublayer.output(x, self.feed_forward(self.feed_forward_sublayer.input(x)))
-        return x, new_key, new_value, self_weights, cross_weights
+        grown = LayerCache(key, value, cache.cross_key, cache.cross_value)
+        return x, grown, self_weights, cross_weights
 
 
 class Transformer(nn.Module):
@@ -246,16 +233,15 @@ class Transformer(nn.Module):
             self_mask = self_mask & target_mask[:, None, None, :]  # (B, 1, T, P+T)
         cross_mask = cache.source_mask[:, None, None, :]  # (B, 1, 1, S)
         x = self.target_embedding(target, positions)  # (B, T, D)
-        new_keys, new_values, self_attentions, cross_attentions = [], [], [], []
+        layers, self_attentions, cross_attentions = [], [], []
         for layer, layer_cache in zip(self.decoder_layers, cache.layers, strict=True):
-            x, new_key, new_value, self_weights, cross_weights = layer(x, layer_cache, self_mask, cross_mask, need_weights)
-            new_keys.append(new_key)
-            new_values.append(new_value)
+            x, grown, self_weights, cross_weights = layer(x, layer_cache, self_mask, cross_mask, need_weights)
+            layers.append(grown)
             if self_weights is not None and cross_weights is not None:
                 self_attentions.append(self_weights)
                 cross_attentions.append(cross_weights)
         logits = self.output_projection(self.decoder_norm(x))  # (B, T, V)
-        return DecoderOutput(logits, cache, new_keys, new_values, self_attentions, cross_attentions)
+        return DecoderOutput(logits, DecoderCache(layers, cache.source_mask), self_attentions, cross_attentions)
 
     def forward(self, source: Tensor, target_input: Tensor, need_weights: bool = False) -> Tensor:
         """Teacher forcing: (B, S) source and (B, T) target input (BOS + target) -> (B, T, V) logits."""

@@ -16,11 +16,9 @@ steps); `on_token` is called for every token kept. One caveat: with dynamically 
 (int8) graphs a row's activations are quantized with the whole batch's scale, so its tokens
 may depend on its neighbours -- as with any batching of those graphs.
 
-The state lives in host (numpy) arrays, the self-attention cache in a host `KVCache` with
-spare columns that each step's keys/values are written into in place. With IO binding the new
-keys/values come to the host after every step (CPU: free; CUDA: a small copy per step) and the
-cache goes to the device as an input (CUDA: a copy of it per step), so IO binding gains
-nothing here until joining and compaction run on the device -- not written yet.
+The state lives in host (numpy) arrays: with IO binding, the decoder's new cache comes to the
+host after every step (CPU: free, they share memory; CUDA: a copy per step, so IO binding gains
+nothing here until joining and compaction run on the device -- not written yet).
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from service.generation import GenerationResult, RowHooks, Runtime, greedy_choice
-from service.kv_cache import CACHE_ROOM, KVCache
-from service.runtime import EncoderState, to_numpy
+from service.runtime import EncoderState, KVCache, to_numpy
 
 Owner = TypeVar("Owner")
 
@@ -69,7 +66,8 @@ class RunningBatch(Generic[Owner]):
         self._source_mask = np.zeros((0, 0), dtype=bool)  # (B, S) True on real source tokens
         self._cross_keys: list[np.ndarray] = []  # per decoder layer (B, h, S, d)
         self._cross_values: list[np.ndarray] = []
-        self._cache: KVCache | None = None  # self-attention keys/values, per decoder layer (B, h, P, d)
+        self._keys: list[np.ndarray] = []  # per decoder layer (B, h, P, d)
+        self._values: list[np.ndarray] = []
         self._target_mask = np.zeros((0, 0), dtype=bool)  # (B, P) True on a row's own positions
         self._positions = np.zeros(0, dtype=np.int64)  # (B,) the position of each row's next input
         self._last = np.zeros(0, dtype=np.int64)  # (B,) each row's next input token
@@ -134,7 +132,8 @@ class RunningBatch(Generic[Owner]):
         batch = self.slots
         target_mask = np.concatenate([self._target_mask, np.ones((batch, 1), dtype=bool)], axis=1)
         state = EncoderState(self._source_mask, self._cross_keys, self._cross_values)
-        out = self.runtime.decode(self._last[:, None], state, self._cache,
+        cache = KVCache(self._keys, self._values)
+        out = self.runtime.decode(self._last[:, None], state, cache,
                                   positions=self._positions[:, None], target_mask=target_mask)
         best, chosen = greedy_choice(out.logits[:, -1])  # (B,) each
         finished: list[tuple[Owner, GenerationResult]] = []
@@ -158,7 +157,8 @@ class RunningBatch(Generic[Owner]):
             if reason is not None:
                 finished.append((member.owner, GenerationResult(member.tokens, reason, member.score)))
                 self._members[i] = None
-        self._cache = out.cache  # written in place: the new column went into a spare one
+        self._keys = [to_numpy(k) for k in out.cache.keys]
+        self._values = [to_numpy(v) for v in out.cache.values]
         self._target_mask = target_mask
         self._positions = self._positions + 1
         self._last = best.astype(np.int64)
@@ -194,9 +194,8 @@ class RunningBatch(Generic[Owner]):
                                     (self._cross_values[layer], to_numpy(values))):
                     target[rows] = 0  # (count, h, S, d)
                     target[rows, :, :width] = new
-                assert self._cache is not None
-                self._cache.keys[layer][rows] = 0  # (count, h, P, d) views: masked, cleared all the same
-                self._cache.values[layer][rows] = 0
+                self._keys[layer][rows] = 0  # (count, h, P, d): masked, cleared all the same
+                self._values[layer][rows] = 0
             self._source_mask[rows] = False
             self._source_mask[rows, :width] = state.source_mask
             self._target_mask[rows] = False
@@ -229,17 +228,15 @@ class RunningBatch(Generic[Owner]):
         template = self._cross_keys[0] if self._cross_keys else new_cross[0][0][0]
         layers = len(self._cross_keys) if self._cross_keys else len(new_cross[0][0])
         heads, head_dim = template.shape[1], template.shape[3]
-        old_cache = self._cache
-        cache_dtype = old_cache.keys[0].dtype if old_cache is not None else self.runtime.cache_dtype  # type: ignore[attr-defined]
+        cache_dtype = self._keys[0].dtype if self._keys else self.runtime.cache_dtype  # type: ignore[attr-defined]
 
         def gather(old: np.ndarray | None, new: list[np.ndarray], length: int, start: int,
-                   dtype: np.dtype, room: int = 0) -> np.ndarray:
-            """(rows, h, length + room, d): kept rows' columns start..start+length, then each
-            `new`; `room` zero columns after them."""
-            out = np.zeros((rows, heads, length + room, head_dim), dtype=dtype)
+                   dtype: np.dtype) -> np.ndarray:
+            """(rows, h, length, d): kept rows' columns start..start+length, then each `new`."""
+            out = np.zeros((rows, heads, length, head_dim), dtype=dtype)
             if kept and old is not None:
                 part = old[:, :, start:start + length]  # (B, h, <= length, d)
-                if part.shape[2] == length and not room:  # straight into place ("clip": no buffered copy)
+                if part.shape[2] == length:  # straight into place ("clip": no buffered copy)
                     np.take(part, keep, axis=0, out=out[:kept], mode="clip")
                 else:
                     out[:kept, :, : part.shape[2]] = part[keep]
@@ -255,12 +252,10 @@ class RunningBatch(Generic[Owner]):
                             for i in range(layers)]
         self._cross_values = [gather(old_values[i], [c[1][i] for c in new_cross], source_len, 0, template.dtype)
                               for i in range(layers)]
-        old_self = old_cache if old_cache is not None and kept else None
-        self._cache = KVCache.over_buffers(  # with room: the next steps write in place
-            [gather(old_self.keys[i] if old_self else None, [], past, first, cache_dtype, CACHE_ROOM)  # type: ignore[arg-type]
-             for i in range(layers)],
-            [gather(old_self.values[i] if old_self else None, [], past, first, cache_dtype, CACHE_ROOM)  # type: ignore[arg-type]
-             for i in range(layers)], past)
+        self._keys = [gather(k if kept else None, [], past, first, cache_dtype)
+                      for k in (self._keys or [None] * layers)]
+        self._values = [gather(v if kept else None, [], past, first, cache_dtype)
+                        for v in (self._values or [None] * layers)]
         source_mask = np.zeros((rows, source_len), dtype=bool)
         target_mask = np.zeros((rows, past), dtype=bool)
         if kept:

@@ -2,30 +2,31 @@
 calls of the encoder and decoder graphs. Torch-free (numpy, onnxruntime, sentencepiece).
 
 `service.generation` builds the decoding loop on `encode`, `decode` and the `select` methods
-of `EncoderState` / `KVCache` (`service.kv_cache`: the decoder graph outputs only its new
-positions' keys/values, which the cache appends in place). Graph inputs and outputs are named
-in `export.graph_io`.
+of `EncoderState` / `KVCache`. Graph inputs and outputs are named in `export.graph_io`.
 Only the outputs a call needs are fetched: attention weights are asked for on request only.
 
 Two ways to call the graphs, chosen per runtime (`io_binding`, auto by default):
 - numpy: `session.run` with numpy feeds; every tensor, the KV cache included, goes through host
   memory at every decoder step.
-- IO binding: the encoder's cross keys/values and the decoder's new keys/values are bound as
+- IO binding: the encoder's cross keys/values and the decoder's present keys/values are bound as
   outputs on the session's device ("cuda" on CUDAExecutionProvider, else "cpu") and fed back as
   the next step's inputs as `onnxruntime.OrtValue`s, never copied to the host; only `logits`
   (and attention weights, when asked for) come back to numpy. Row selection (finished rows
-  leaving the batch, beams following their parent) and appending to the cache run on the
-  device too, as tiny Gather and Concat graphs (`service.device_ops`) -- no host round-trip.
+  leaving the batch, beams following their parent) runs on the device too: a tiny Gather graph
+  (`RowGather`, built here without the onnx package) gathers the rows of every layer's tensor in
+  one call, a device-to-device copy of the rows kept -- no host round-trip, on either device.
 `AUTO_IO_BINDING` holds the measured default per provider (bench/results/io_binding_cpu.json).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TypeAlias
 
 import numpy as np
 import onnxruntime as ort
@@ -33,11 +34,10 @@ import onnxruntime as ort
 from export import graph_io, packed_weights
 from export.manifest import Manifest, ManifestError, Variant, read_manifest, verify_files
 from model.tokenizer import Tokenizer
-from service.device_ops import CPU, CUDA, DeviceOps, Tensor, on_device, shape, to_numpy
-from service.kv_cache import KVCache, narrow_weights, widen_mask
 
 logger = logging.getLogger(__name__)
 
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 DEFAULT_PROVIDERS = (CUDA, CPU)
 # Variants to try per execution provider, best first; only servable ones are taken.
 VARIANT_PREFERENCE = {CUDA: ("fp16", "fp32"), CPU: ("int8", "fp32")}
@@ -47,6 +47,12 @@ VARIANT_PREFERENCE = {CUDA: ("fp16", "fp32"), CPU: ("int8", "fp32")}
 # 7-8% slower for translate-en-it greedy with onnxruntime's default threads, 9-19% slower for the
 # tiny model; only with 1 thread was it 3% (greedy) to 7% (beam 3, cheaper row gathers) faster.
 AUTO_IO_BINDING = {CUDA: True, CPU: False}
+
+# A tensor as the graph calls hand it over: numpy on the host, or an OrtValue on the session's
+# device (IO binding).
+Tensor: TypeAlias = np.ndarray | ort.OrtValue
+# Gathers batch rows of tensors that live on a device: (tensors, rows) -> tensors.
+Gatherer: TypeAlias = Callable[[list[ort.OrtValue], np.ndarray], list[ort.OrtValue]]
 
 # numpy dtypes of the graphs' float tensor types, as onnxruntime names them
 _NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
@@ -61,12 +67,22 @@ class ModelLoadError(ModelError):
     no usable execution provider or variant, or a graph onnxruntime refuses."""
 
 
-def _take(tensors: list[Tensor], rows: np.ndarray, device_ops: DeviceOps | None) -> list[Tensor]:
-    """Rows of each tensor: numpy indexing on the host, `device_ops` on the device for OrtValues."""
-    if on_device(tensors):
-        if device_ops is None:  # an OrtValue without device operations: through the host
+def shape(tensor: Tensor) -> tuple[int, ...]:
+    """The shape of a numpy array or an OrtValue."""
+    return tuple(tensor.shape()) if isinstance(tensor, ort.OrtValue) else tuple(tensor.shape)
+
+
+def to_numpy(tensor: Tensor) -> np.ndarray:
+    """A host copy (or view, for a CPU OrtValue) of a tensor."""
+    return tensor.numpy() if isinstance(tensor, ort.OrtValue) else tensor
+
+
+def _take(tensors: list[Tensor], rows: np.ndarray, gather: Gatherer | None) -> list[Tensor]:
+    """Rows of each tensor: numpy indexing on the host, `gather` on the device for OrtValues."""
+    if tensors and isinstance(tensors[0], ort.OrtValue):
+        if gather is None:  # an OrtValue without a device gatherer: through the host
             return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(to_numpy(t)[rows])) for t in tensors]
-        return list(device_ops.gather(tensors, rows))  # type: ignore[arg-type]
+        return list(gather(tensors, rows))
     return [t[rows] for t in tensors]  # type: ignore[index]
 
 
@@ -78,20 +94,39 @@ class EncoderState:
     cross_keys: list[Tensor]  # per decoder layer (B, h, S, d); OrtValues on the device with IO binding
     cross_values: list[Tensor]  # per decoder layer (B, h, S, d)
     attentions: list[np.ndarray] | None = None  # per encoder layer (B, h, S, S), when asked for
-    device_ops: DeviceOps | None = field(default=None, repr=False, compare=False)  # row selection on the device
+    gather: Gatherer | None = field(default=None, repr=False, compare=False)  # row selection on the device
 
     def select(self, rows: np.ndarray) -> EncoderState:
         """Keep, reorder or repeat batch rows (finished rows leave, beams follow their parent)."""
         rows = np.asarray(rows, dtype=np.int64)
         layers = len(self.cross_keys)
-        cross = _take([*self.cross_keys, *self.cross_values], rows, self.device_ops)
+        cross = _take([*self.cross_keys, *self.cross_values], rows, self.gather)
         return EncoderState(
             self.source_mask[rows],
             cross[:layers],
             cross[layers:],
             None if self.attentions is None else [a[rows] for a in self.attentions],
-            self.device_ops,
+            self.gather,
         )
+
+
+@dataclass
+class KVCache:
+    """Self-attention keys and values of the positions decoded so far."""
+
+    keys: list[Tensor]  # per decoder layer (B, h, P, d); OrtValues on the device with IO binding
+    values: list[Tensor]  # per decoder layer (B, h, P, d)
+    gather: Gatherer | None = field(default=None, repr=False, compare=False)  # row selection on the device
+
+    @property
+    def length(self) -> int:
+        return int(shape(self.keys[0])[2])
+
+    def select(self, rows: np.ndarray) -> KVCache:
+        rows = np.asarray(rows, dtype=np.int64)
+        layers = len(self.keys)
+        kept = _take([*self.keys, *self.values], rows, self.gather)
+        return KVCache(kept[:layers], kept[layers:], self.gather)
 
 
 @dataclass
@@ -119,7 +154,7 @@ class ModelRuntime:
     io_binding: bool = False  # keep cross keys/values and the KV cache on the device (OrtValues)
     device: str = "cpu"  # where IO binding keeps them: "cuda" | "cpu"
     device_id: int = 0
-    device_ops: DeviceOps | None = field(default=None, repr=False)  # row selection, concatenation on the device (IO binding)
+    gather: Gatherer | None = field(default=None, repr=False)  # row selection on the device (IO binding)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -172,9 +207,9 @@ class ModelRuntime:
                 continue
             bind = AUTO_IO_BINDING.get(provider, False) if io_binding is None else io_binding
             device, device_id = _device(decoder, provider)
-            device_ops = DeviceOps(provider, device, device_id, threads) if bind else None
+            gather = RowGather(provider, device, device_id, threads) if bind else None
             runtime = cls(manifest.name, manifest.task, manifest, tokenizer, provider, chosen, encoder, decoder,
-                          bind, device, device_id, device_ops)
+                          bind, device, device_id, gather)
             runtime._check_cache_dtype()
             logger.info("loaded %s (%s, variant %s, %s, %s) in %.2fs", manifest.name, manifest.task, chosen,
                         provider, f"IO binding on {device}" if bind else "numpy I/O",
@@ -269,13 +304,14 @@ class ModelRuntime:
             cross_values=[outputs[f"cross_value.{i}"] for i in range(layers)],
             attentions=[outputs[n] for n in graph_io.encoder_attention_outputs(self.n_encoder_layers)]  # type: ignore[misc]
             if need_attention else None,
-            device_ops=self.device_ops,
+            gather=self.gather,
         )
 
     def empty_cache(self, batch: int) -> KVCache:
-        """A cache with past length 0; with IO binding it grows on the session's device."""
-        return KVCache.empty(batch, self.n_decoder_layers, self.n_heads, self.head_dim, self.cache_dtype,
-                             self.device_ops, on_device=self.io_binding)
+        """A cache with past length 0 (host arrays of the session's cache dtype: with IO binding
+        onnxruntime copies their zero bytes to the device)."""
+        empty = np.zeros((batch, self.n_heads, 0, self.head_dim), dtype=self.cache_dtype)
+        return KVCache([empty] * self.n_decoder_layers, [empty] * self.n_decoder_layers, self.gather)
 
     def decode(
         self,
@@ -290,15 +326,11 @@ class ModelRuntime:
 
         `positions` (B, T) default to P..P+T-1; `target_mask` (B, P+T) bool defaults to all
         real. With `cache=None` the past is empty: a whole prefix at once (teacher forcing).
-        The returned cache is `cache` extended by the new positions (in place on the host:
-        `service.kv_cache`); `cache` itself stays valid.
         """
         batch, length = input_ids.shape
         layers = self.n_decoder_layers
         cache = cache if cache is not None else self.empty_cache(batch)
         past = cache.length
-        past_keys, past_values = cache.feeds()  # (B, h, C, d), C >= P: spare columns masked
-        capacity = shape(past_keys[0])[2]
         if positions is None:
             positions = np.broadcast_to(np.arange(past, past + length, dtype=np.int64), (batch, length))
         if target_mask is None:
@@ -307,27 +339,26 @@ class ModelRuntime:
             "input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
             "positions": np.ascontiguousarray(positions, dtype=np.int64),
             "source_mask": state.source_mask,
-            "target_mask": widen_mask(target_mask, past, capacity),  # (B, C+T)
+            "target_mask": target_mask,
         }
         for i in range(layers):
-            feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = past_keys[i], past_values[i]
+            feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = cache.keys[i], cache.values[i]
             feeds[f"cross_key.{i}"], feeds[f"cross_value.{i}"] = state.cross_keys[i], state.cross_values[i]
-        new_names = graph_io.new_key_value_names(layers)
-        names = ["logits", *new_names]
+        names = ["logits", *graph_io.present_names(layers)]
         if need_attention:
             names += graph_io.decoder_attention_outputs(layers)
         out: dict[str, Tensor]
-        if self.io_binding:  # a device cache's new keys/values stay there; the rest comes to the host
-            out = self._run_bound(self.decoder, feeds, names, on_device=set(new_names) if cache.on_device else set())
+        if self.io_binding:  # presents stay on the device; logits and attention weights come to the host
+            out = self._run_bound(self.decoder, feeds, names, on_device=set(graph_io.present_names(layers)))
         else:
             host = {k: to_numpy(v) for k, v in feeds.items()}  # OrtValues only if handed over from IO binding
             out = dict(zip(names, self.decoder.run(names, host), strict=True))
         return DecoderStep(
             logits=out["logits"],  # type: ignore[arg-type]
-            cache=cache.extend([out[f"new_key.{i}"] for i in range(layers)],
-                               [out[f"new_value.{i}"] for i in range(layers)]),
-            self_attentions=[narrow_weights(out[f"self_attention.{i}"], past, capacity)  # type: ignore[arg-type]
-                             for i in range(layers)] if need_attention else None,
+            cache=KVCache([out[f"present_key.{i}"] for i in range(layers)],
+                          [out[f"present_value.{i}"] for i in range(layers)], self.gather),
+            self_attentions=[out[f"self_attention.{i}"] for i in range(layers)]  # type: ignore[misc]
+            if need_attention else None,
             cross_attentions=[out[f"cross_attention.{i}"] for i in range(layers)]  # type: ignore[misc]
             if need_attention else None,
         )
@@ -436,3 +467,90 @@ def _device(session: ort.InferenceSession, provider: str) -> tuple[str, int]:
         return "cpu", 0
     options = session.get_provider_options().get(CUDA, {})
     return "cuda", int(options.get("device_id", 0))
+
+
+class RowGather:
+    """Row selection of OrtValues on the device they live on, without a host round-trip.
+
+    onnxruntime's Python API has no tensor indexing, so each call runs a tiny graph: one
+    `Gather(axis=0)` per tensor sharing a `rows` input, with IO binding, outputs left on the
+    device. Its cost is one device-to-device copy of the rows kept (what numpy indexing costs on
+    the host) plus one graph call. Graphs are built here, without the onnx package (not a serving
+    dependency), one per tuple of (element type, rank) of the tensors, and cached.
+    """
+
+    def __init__(self, provider: str, device: str, device_id: int, threads: int = 0) -> None:
+        self.device, self.device_id = device, device_id
+        self._providers: list = ([(CUDA, {"device_id": str(device_id)}), CPU] if provider == CUDA else [CPU])
+        self._threads = threads
+        self._sessions: dict[tuple[tuple[int, int], ...], ort.InferenceSession] = {}
+        self._lock = threading.Lock()
+
+    def session(self, tensors: tuple[tuple[int, int], ...]) -> ort.InferenceSession:
+        with self._lock:
+            session = self._sessions.get(tensors)
+            if session is None:
+                options = ort.SessionOptions()
+                options.intra_op_num_threads = self._threads
+                options.inter_op_num_threads = 1
+                options.log_severity_level = 3  # no warnings about nodes placed on the CPU
+                session = ort.InferenceSession(gather_graph(tensors), options, providers=self._providers)
+                self._sessions[tensors] = session
+            return session
+
+    def __call__(self, tensors: list[ort.OrtValue], rows: np.ndarray) -> list[ort.OrtValue]:
+        session = self.session(tuple((t.element_type(), len(t.shape())) for t in tensors))
+        binding = session.io_binding()
+        binding.bind_cpu_input("rows", np.ascontiguousarray(rows, dtype=np.int64))
+        for i, tensor in enumerate(tensors):
+            binding.bind_ortvalue_input(f"x{i}", tensor)
+            binding.bind_output(f"y{i}", self.device, self.device_id)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()
+
+
+# -- a minimal ONNX ModelProto writer (protobuf wire format), for `gather_graph` ---------------
+
+_INT64 = 7  # TensorProto.INT64
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _int(field_number: int, value: int) -> bytes:
+    return _varint(field_number << 3) + _varint(value)
+
+
+def _message(field_number: int, payload: bytes | str) -> bytes:
+    data = payload.encode() if isinstance(payload, str) else payload
+    return _varint(field_number << 3 | 2) + _varint(len(data)) + data
+
+
+def _value_info(name: str, element_type: int, dims: list[str]) -> bytes:
+    """ValueInfoProto: name, TypeProto.tensor_type (elem_type, shape of named dynamic dims)."""
+    shape = b"".join(_message(1, _message(2, d)) for d in dims)
+    return _message(1, name) + _message(2, _message(1, _int(1, element_type) + _message(2, shape)))
+
+
+def gather_graph(tensors: tuple[tuple[int, int], ...], opset: int = 13) -> bytes:
+    """A serialized ONNX model: inputs `rows` (int64 [n]) and `x0..`, outputs
+    `yi = Gather(xi, rows, axis=0)`; `tensors` are the (ONNX element type, rank) of the `xi`."""
+    nodes = b"".join(
+        _message(1, _message(1, f"x{i}") + _message(1, "rows") + _message(2, f"y{i}") + _message(3, f"gather{i}")
+                 + _message(4, "Gather") + _message(5, _message(1, "axis") + _int(3, 0) + _int(20, 2)))
+        for i in range(len(tensors)))
+    inputs = _message(11, _value_info("rows", _INT64, ["rows"])) + b"".join(
+        _message(11, _value_info(f"x{i}", t, [f"x{i}_{a}" for a in range(rank)]))
+        for i, (t, rank) in enumerate(tensors))
+    outputs = b"".join(
+        _message(12, _value_info(f"y{i}", t, ["rows"] + [f"x{i}_{a}" for a in range(1, rank)]))
+        for i, (t, rank) in enumerate(tensors))
+    graph = nodes + _message(2, "row_gather") + inputs + outputs
+    opset_import = _message(1, "") + _int(2, opset)
+    return _int(1, 8) + _message(2, "attnserve") + _message(7, graph) + _message(8, opset_import)  # ir_version 8
