@@ -44,10 +44,11 @@ logger = logging.getLogger(__name__)
 VARIANTS: dict[str, list[str]] = {
     "defaults (continuous batching)": [],
     "one batch worker (one running batch on all cores)": ["--batch-workers", "1"],
-    "two batch workers": ["--batch-workers", "2"],
+    "three batch workers": ["--batch-workers", "3"],
     "four batch workers": ["--batch-workers", "4"],
     "batch workers take the least loaded, not by length": ["--no-length-routing"],
     "request-level (dynamic) batching": ["--no-continuous-batching"],
+    "request-level batching, two batch workers": ["--no-continuous-batching", "--batch-workers", "2"],
     "continuous, rows join at once (no groups)": ["--max-join-wait-ms", "0"],
     "continuous, rows join a batch of any age": ["--max-join-age", "0"],
     "continuous, max_batch_size 32": ["--max-batch-size", "32"],

@@ -17,7 +17,12 @@ from service import schemas
 
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 CPU_PROVIDER = "CPUExecutionProvider"
-CPU_BATCH_WORKERS = 3  # the default on the CPU: one more running batch than a 2-core machine's cores
+# Defaults on the CPU, measured on a 2-core machine (bench/results/levers-workers): request-level
+# batches leave the model idle while their longest row ends, and a third worker fills that
+# time; a running batch (continuous batching) takes newcomers itself, and a worker per core
+# gives it the lower p95 under load.
+CPU_BATCH_WORKERS = 3  # request-level batching
+CPU_BATCH_WORKERS_CONTINUOUS = 2
 
 
 def cpu_cores() -> int:
@@ -62,7 +67,7 @@ class Settings(BaseSettings):
     batch_workers: int = Field(
         default=0, ge=0, le=16,
         description="threads per model, each running its own batches (and running batch); "
-        "0 = 3 on the CPU (on a 2-core machine 2-4 measure alike and 1 slower, bench/results/levers), "
+        "0 = on the CPU 2 with continuous batching and 3 without (bench/results/levers-workers), "
         "1 on CUDA",
     )
     length_routing: bool = Field(
@@ -162,7 +167,9 @@ class Settings(BaseSettings):
         """Batch workers per model on `provider` (`batch_workers`, or its default)."""
         if self.batch_workers:
             return self.batch_workers
-        return CPU_BATCH_WORKERS if provider == CPU_PROVIDER else 1
+        if provider != CPU_PROVIDER:
+            return 1
+        return CPU_BATCH_WORKERS_CONTINUOUS if self.continuous_batching else CPU_BATCH_WORKERS
 
     def session_threads(self) -> int:
         """Intra-op threads per onnxruntime session: `threads`, or the cores shared among the

@@ -119,11 +119,14 @@ async def test_run_goes_to_an_idle_batcher() -> None:
     await pool.close(1)
 
 
-def test_batch_workers_default_to_three_on_the_cpu_and_share_its_cores() -> None:
+def test_batch_workers_default_on_the_cpu_by_batching_mode_and_share_its_cores() -> None:
     settings = Settings()
-    assert settings.batch_workers_on(CPU_PROVIDER) == 3
+    assert settings.batch_workers_on(CPU_PROVIDER) == 2  # continuous batching
     assert settings.batch_workers_on("CUDAExecutionProvider") == 1
-    assert settings.session_threads() == max(1, cpu_cores() // 3)
+    assert settings.session_threads() == max(1, cpu_cores() // 2)
+    request_level = Settings(continuous_batching=False)
+    assert request_level.batch_workers_on(CPU_PROVIDER) == 3
+    assert request_level.session_threads() == max(1, cpu_cores() // 3)
     given = Settings(batch_workers=3, threads=5)
     assert given.batch_workers_on("CUDAExecutionProvider") == 3 and given.session_threads() == 5
 
