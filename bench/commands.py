@@ -11,7 +11,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 QUICK = {"sentences": 16, "summaries": 8, "concurrency": [1, 4], "duration_s": 20.0, "open_duration_s": 5.0,
-         "open_repeats": 1,
+         "open_repeats": 1, "open_slices": 2,
          "batch_sizes": [1, 8], "single_sentences": 8, "naive_requests": 8}
 
 
@@ -38,10 +38,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    help="cap on each closed-loop run and baseline pass, seconds (default 120)")
     p.add_argument("--rate", type=float, default=None,
                    help="open-loop requests/s (default 70%% of the best closed-loop throughput)")
-    p.add_argument("--open-duration-s", type=float, default=30.0, help="open-loop run length (default 30)")
-    p.add_argument("--open-repeats", type=int, default=3,
+    p.add_argument("--open-duration-s", type=float, default=30.0, help="each mode's open-loop seconds per turn (default 30)")
+    p.add_argument("--open-repeats", type=int, default=5,
                    help="turns of open loops of dynamic and continuous batching, each at 70%% of the dynamic server's "
-                   "throughput measured at its start; the turn with the median p95 ratio counts (default 3)")
+                   "throughput measured at its start; the turn with the median p95 ratio counts (default 5)")
+    p.add_argument("--open-slices", type=int, default=6,
+                   help="each turn's open loops alternate between dynamic and continuous batching in this many "
+                   "slices of --open-duration-s, pooled per mode, so both see the machine alike (default 6)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64],
                    help="in-process batch sizes (default 1 8 32 64)")
     p.add_argument("--single-sentences", type=int, default=200,
@@ -65,7 +68,7 @@ def _bench(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     values = {"sentences": args.sentences, "summaries": args.summaries, "concurrency": args.concurrency,
               "duration_s": args.duration_s, "open_duration_s": args.open_duration_s,
-              "open_repeats": args.open_repeats,
+              "open_repeats": args.open_repeats, "open_slices": args.open_slices,
               "batch_sizes": args.batch_sizes, "single_sentences": args.single_sentences,
               "naive_requests": args.naive_requests}
     if args.quick:

@@ -43,7 +43,8 @@ class BenchConfig:
     duration_s: float = 120.0  # cap on each closed-loop run and each baseline pass
     rate: float | None = None  # open-loop requests/s; None = 70% of the best closed-loop throughput
     open_duration_s: float = 30.0
-    open_repeats: int = 3  # turns of open loops of dynamic and continuous batching (the median turn counts)
+    open_repeats: int = 5  # turns of open loops of dynamic and continuous batching (the median turn counts)
+    open_slices: int = 6  # each turn's open loops alternate between the two modes in this many slices
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     single_sentences: int = 200  # CTranslate2 one-sentence-per-call latency sample
     naive_requests: int = 200  # the naive server is slow: it answers at most this many per task
@@ -115,10 +116,11 @@ def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload],
     servers started together, so that a drift of the machine's speed is seen by both modes alike.
 
     Each turn first measures the dynamic server's throughput at the top concurrency and offers
-    70% of it (unless `config.rate` is given), then runs the open loop of each mode at that rate:
-    a rate set once, minutes earlier, may exceed what the machine does now. Each task's `turns`
-    lists every turn's rate and p95s; each mode's `open` is its run from the turn with the
-    median p95 ratio (continuous / dynamic), so the target reads the median turn."""
+    70% of it (unless `config.rate` is given), then runs the open loops of both modes at that
+    rate, interleaved in slices (`_interleaved_open_loops`): a rate set once, minutes earlier,
+    may exceed what the machine does now, and its speed changes within a minute. Each task's
+    `turns` lists every turn's rate and p95s; each mode's `open` is its run from the turn with
+    the median p95 ratio (continuous / dynamic), so the target reads the median turn."""
     modes = ("dynamic", "continuous")
     servers: dict[str, ServerProcess] = {}
     turns: dict[str, list[dict[str, Any]]] = {model: [] for model in workloads}
@@ -129,7 +131,7 @@ def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload],
         for mode, server in servers.items():  # warm-up
             for workload in workloads.values():
                 asyncio.run(loadgen.closed_loop(server.url + ROUTES[workload.task], workload.texts[:2], 2))
-        for _ in range(config.open_repeats):
+        for index in range(config.open_repeats):
             for model, workload in workloads.items():
                 turn: dict[str, Any] = {}
                 rate = config.rate
@@ -139,8 +141,8 @@ def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload],
                                                       workload.texts, top, config.duration_s))
                     turn["dynamic_sentences_per_s"] = best.stats().sentences_per_s
                     rate = max(OPEN_LOOP_LOAD * turn["dynamic_sentences_per_s"], 0.1)
-                for mode, server in servers.items():
-                    turn[mode] = _open_loop(config, server, mode, model, workload, rate)
+                turn.update(_timed(f"service {' and '.join(servers)} {model} open {rate:.2f}/s", _interleaved_open_loops,
+                                   config, servers, workload, rate, seed=index * config.open_slices))
                 turns[model].append(turn)
     finally:
         for mode, server in servers.items():
@@ -154,8 +156,33 @@ def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload],
             results["tasks"][model]["service"][mode]["open"] = median[mode]
         results["tasks"][model]["service_open_turns"] = [
             {"offered_rate": turn["dynamic"]["offered_rate"], "dynamic_p95_s": turn["dynamic"]["latency_p95_s"],
-             "continuous_p95_s": turn["continuous"]["latency_p95_s"], "p95_ratio": _p95_ratio(turn)}
+             "continuous_p95_s": turn["continuous"]["latency_p95_s"], "p95_ratio": _p95_ratio(turn),
+             "slices": len(turn["continuous"]["slice_p95_s"]),
+             "slices_continuous_lower": sum(c is not None and d is not None and c < d for c, d in zip(
+                 turn["continuous"]["slice_p95_s"], turn["dynamic"]["slice_p95_s"], strict=True))}
             for turn in model_turns]
+
+
+def _interleaved_open_loops(config: BenchConfig, servers: dict[str, ServerProcess], workload: Workload,
+                            rate: float, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Each server's open loop at `rate` for `config.open_duration_s`, cut into
+    `config.open_slices` slices that alternate between the servers (their order flips every
+    slice). In a slice every server gets the same arrivals and texts, so a change of the
+    machine's speed within the turn reaches them alike, not whichever ran in that half minute.
+    Each server's stats pool its slices, and `slice_p95_s` lists the p95 of each."""
+    slices = max(1, config.open_slices)
+    slice_s = config.open_duration_s / slices
+    per_slice = max(1, int(rate * slice_s))  # requests per slice (`loadgen.open_loop`'s count)
+    pooled = {mode: loadgen.LoadResult() for mode in servers}
+    slice_p95: dict[str, list[float | None]] = {mode: [] for mode in servers}
+    modes = list(servers)
+    for index in range(slices):
+        for mode in modes if index % 2 == 0 else modes[::-1]:
+            part = asyncio.run(loadgen.open_loop(servers[mode].url + ROUTES[workload.task], workload.texts, rate,
+                                                 slice_s, seed=seed + index, first_text=index * per_slice))
+            pooled[mode].merge(part)
+            slice_p95[mode].append(part.stats().latency_p95_s)
+    return {mode: _stats(result, offered_rate=rate, slice_p95_s=slice_p95[mode]) for mode, result in pooled.items()}
 
 
 def _p95_ratio(turn: dict[str, Any]) -> float:

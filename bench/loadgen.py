@@ -36,6 +36,14 @@ class LoadResult:
     def stats(self) -> RunStats:
         return summarise(self.latencies_s, self.output_tokens, max(self.elapsed_s, 1e-9), self.errors)
 
+    def merge(self, other: LoadResult) -> None:
+        """Add `other`'s requests (a later slice of the same run) to these."""
+        self.latencies_s += other.latencies_s
+        self.output_tokens += other.output_tokens
+        self.errors += other.errors
+        self.elapsed_s += other.elapsed_s
+        self.error_samples = (self.error_samples + other.error_samples)[:5]
+
 
 def _failed(result: LoadResult, message: str) -> None:
     result.errors += 1
@@ -102,9 +110,9 @@ def arrival_times(rate: float, count: int, seed: int = 0) -> list[float]:
 
 
 async def open_loop(url: str, texts: Sequence[str], rate: float, duration_s: float, seed: int = 0,
-                    max_requests: int | None = None) -> LoadResult:
-    """Requests arrive as a Poisson process at `rate`/s for `duration_s` (texts cycled), whatever
-    the server's pace; each latency counts from its scheduled arrival."""
+                    max_requests: int | None = None, first_text: int = 0) -> LoadResult:
+    """Requests arrive as a Poisson process at `rate`/s for `duration_s` (texts cycled from
+    `first_text`), whatever the server's pace; each latency counts from its scheduled arrival."""
     count = max(1, int(rate * duration_s))
     if max_requests is not None:
         count = min(count, max_requests)
@@ -117,7 +125,8 @@ async def open_loop(url: str, texts: Sequence[str], rate: float, duration_s: flo
             delay = started + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_send(client, url, texts[i % len(texts)], started + offset, result)))
+            tasks.append(asyncio.create_task(_send(client, url, texts[(first_text + i) % len(texts)], started + offset,
+                                                   result)))
         await asyncio.gather(*tasks)
         result.elapsed_s = time.perf_counter() - started
     return result

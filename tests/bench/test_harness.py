@@ -18,7 +18,7 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     out = tmp_path / "results"
     status = main(["--log-level", "WARNING", "bench", "--models", str(models), "--data-dir", str(data),
                    "--out", str(out), "--name", "tiny", "--sentences", "6", "--concurrency", "1", "3",
-                   "--duration-s", "60", "--open-duration-s", "1", "--open-repeats", "2", "--batch-sizes", "1", "4",
+                   "--duration-s", "60", "--open-duration-s", "1", "--open-repeats", "2", "--open-slices", "2", "--batch-sizes", "1", "4",
                    "--single-sentences", "3", "--naive-requests", "3", "--threads", "1"])
     assert status == 0
     results = json.loads((out / "tiny.json").read_text(encoding="utf-8"))
@@ -36,6 +36,10 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     kept = min(turns, key=lambda turn: turn["p95_ratio"])
     assert task["service"]["continuous"]["open"]["latency_p95_s"] == kept["continuous_p95_s"]
     assert task["service"]["dynamic"]["open"]["offered_rate"] == kept["offered_rate"]
+    for mode in ("continuous", "dynamic"):  # each turn's open loops alternate in two slices, pooled
+        open_run = task["service"][mode]["open"]
+        assert len(open_run["slice_p95_s"]) == 2 and open_run["latency_p95_s"] >= min(open_run["slice_p95_s"])
+    assert all(turn["slices"] == 2 and 0 <= turn["slices_continuous_lower"] <= 2 for turn in turns)
     assert task["naive"]["closed"]["c1"]["sentences"] == 3 and task["naive"]["closed"]["c1"]["errors"] == 0
     assert task["in_process"]["b4"]["sentences"] == 6
     assert task["in_process"]["b4_length_sorted"]["target_tokens"] == task["in_process"]["b4"]["target_tokens"]
