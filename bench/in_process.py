@@ -39,7 +39,7 @@ def run_batches(runtime: ModelRuntime, sources: list[list[int]], batch_size: int
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         batch_started = time.perf_counter()
-        generated = generate(runtime, [sources[i] for i in rows], beam_size, limit)
+        generated = generate(runtime, [sources[i] for i in rows], beam_size, limit, greedy_scores=False)
         latencies += [time.perf_counter() - batch_started] * len(rows)
         outputs.update(zip(rows, generated, strict=True))
     elapsed = time.perf_counter() - started

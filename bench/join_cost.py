@@ -1,13 +1,14 @@
 """What joining costs a running batch: continuous batching in-process, with and without
-newcomers taking the slots of rows that left.
+newcomers taking the slots of rows that left (and what greedy scores cost its steps).
 
     python -m bench.join_cost --model models/translate-en-it --data-dir data --out bench/results/join_cost_cpu.json
 
 Replays the first `--sentences` test sources through one `RunningBatch` (one intra-op thread, as
 each batch worker has): whenever fewer than `--rows` rows are decoding, the next `--group`
 sources join, then one decoder step runs. Each mode (newcomers fill dead slots in place, or
-every join copies the batch) runs `--repeats` times in turn; it reports the seconds spent in
-joins (encoder calls, copies), in copies alone and in decoder steps, the median run of each.
+every join copies the batch; and the first again with each token's log-probability summed, which
+the service skips) runs `--repeats` times in turn; it reports the seconds spent in joins (encoder
+calls, copies), in copies alone and in decoder steps, the median run of each.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from typing import Any
 
 from bench import machine
 
-MODES = {"dead slots filled in place": 4, "every join copies the batch": -1}  # RunningBatch trim_slack
+# mode -> RunningBatch (trim_slack, scores); the service's batch is the first
+MODES = {"dead slots filled in place": (4, False), "every join copies the batch": (-1, False),
+         "dead slots filled in place, greedy scores (a log-softmax per step)": (4, True)}
 
 
-def replay(runtime: Any, sources: list[list[int]], rows: int, group: int, trim_slack: int) -> dict[str, float]:
+def replay(runtime: Any, sources: list[list[int]], rows: int, group: int, trim_slack: int,
+           scores: bool = False) -> dict[str, float]:
     """Seconds in joins, in the batch copies and in steps; the counts of copies and steps."""
     from service.continuous import RunningBatch
 
-    batch: RunningBatch[int] = RunningBatch(runtime, trim_slack=trim_slack)
+    batch: RunningBatch[int] = RunningBatch(runtime, trim_slack=trim_slack, scores=scores)
     copy_s, copies = 0.0, 0
     rebuild = batch._rebuild
 
@@ -82,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                for line in lines[: args.sentences]]
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for _ in range(args.repeats):
-        for mode, trim_slack in MODES.items():
-            runs[mode].append(replay(runtime, sources, args.rows, args.group, trim_slack))
+        for mode, (trim_slack, scores) in MODES.items():
+            runs[mode].append(replay(runtime, sources, args.rows, args.group, trim_slack, scores))
     results = {
         "command": "python -m bench.join_cost " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine.describe(), "model": manifest.name, "sentences": len(sources),

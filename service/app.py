@@ -69,9 +69,9 @@ def create_app(
     """
     settings = settings or Settings()
     if running_batch is None and generator is None:
-        running_batch = onnx_running_batch
+        running_batch = onnx_running_batch(settings)
     registry = ModelRegistry(
-        settings, loader or onnx_loader(settings), generator or onnx_generator, running_batch
+        settings, loader or onnx_loader(settings), generator or onnx_generator(settings), running_batch
     )
 
     @asynccontextmanager

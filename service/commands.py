@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "batch_workers", "max_batch_size",
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "length_routing",
-    "max_join_wait_ms", "max_join_age", "spinning", "cpu_memory_arena", "request_timeout_s",
+    "max_join_wait_ms", "max_join_age", "greedy_scores", "spinning", "cpu_memory_arena", "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error",
 )
@@ -73,6 +73,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-join-age", type=int,
                    help="continuous batching: rows join only while the running batch's oldest row "
                    "has run at most this many decoder steps (default 24; 0: any)")
+    p.add_argument("--greedy-scores", action=argparse.BooleanOptionalAction,
+                   help="sum each greedy result's log-probability (not returned by the API; a "
+                   "log-softmax over the vocabulary every step; default off)")
     p.add_argument("--max-queue-size", type=int,
                    help="rows waiting per model before 429 (default 256)")
     p.add_argument("--request-timeout-s", type=float, help="deadline per request (default 60)")

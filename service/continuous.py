@@ -43,7 +43,7 @@ class _Member(Generic[Owner]):
     max_new_tokens: int
     hooks: RowHooks | None
     tokens: list[int] = field(default_factory=list)
-    score: float = 0.0
+    score: float = 0.0  # summed log-probability of `tokens` (0 without the batch's `scores`)
 
 
 class RunningBatch(Generic[Owner]):
@@ -57,8 +57,9 @@ class RunningBatch(Generic[Owner]):
     """
 
     def __init__(self, runtime: Runtime, compact_fraction: float = 0.25, padding_slack: float = 1.25,
-                 trim_slack: int = 4) -> None:
+                 trim_slack: int = 4, scores: bool = True) -> None:
         self.runtime = runtime
+        self.scores = scores  # results carry their summed log-probability (else None: no log-softmax per step)
         self.compact_fraction = compact_fraction
         self.trim_slack = trim_slack  # newcomers fill dead slots only while at most this many cache columns are unused
         self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
@@ -135,14 +136,15 @@ class RunningBatch(Generic[Owner]):
         cache = KVCache(self._keys, self._values)
         out = self.runtime.decode(self._last[:, None], state, cache,
                                   positions=self._positions[:, None], target_mask=target_mask)
-        best, chosen = greedy_choice(out.logits[:, -1])  # (B,) each
+        best, chosen = greedy_choice(out.logits[:, -1], self.scores)  # (B,) each
         finished: list[tuple[Owner, GenerationResult]] = []
         eos = self.runtime.eos_id
         for i, member in enumerate(self._members):
             if member is None:
                 continue
             token = int(best[i])
-            member.score += float(chosen[i])
+            if chosen is not None:
+                member.score += float(chosen[i])
             reason = None
             if token == eos:
                 reason = "eos"
@@ -155,7 +157,8 @@ class RunningBatch(Generic[Owner]):
                 elif member.hooks is not None and member.hooks.cancelled:
                     reason = "cancelled"
             if reason is not None:
-                finished.append((member.owner, GenerationResult(member.tokens, reason, member.score)))
+                score = member.score if self.scores else None
+                finished.append((member.owner, GenerationResult(member.tokens, reason, score)))
                 self._members[i] = None
         self._keys = [to_numpy(k) for k in out.cache.keys]
         self._values = [to_numpy(v) for v in out.cache.values]

@@ -59,7 +59,7 @@ class GenerationResult:
 
     tokens: list[int]
     finish_reason: str  # "eos" | "length" | "cancelled"
-    score: float  # summed log-probability (greedy) or the length-normalised beam score
+    score: float | None  # summed log-probability (greedy; None when not asked) or the length-normalised beam score
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -69,10 +69,14 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def greedy_choice(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def greedy_choice(logits: np.ndarray, scores: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """The most likely token of each row of (B, V) `logits` and its log-probability: the same as
-    `log_softmax` then argmax, without building the (B, V) log-probabilities."""
+    `log_softmax` then argmax, without building the (B, V) log-probabilities. Without `scores`,
+    only the argmax (None for the log-probabilities): the exponentials over the vocabulary are
+    most of the cost."""
     best = logits.argmax(axis=-1)  # (B,)
+    if not scores:
+        return best, None
     shifted = logits - logits[np.arange(len(best)), best][:, None]  # (B, V), <= 0
     np.exp(shifted, out=shifted)
     return best, -np.log(shifted.sum(axis=-1, dtype=np.float32))  # (B,), (B,)
@@ -94,8 +98,13 @@ def generate(
     max_new_tokens: int,
     length_penalty: float = 1.0,
     hooks: Hooks | None = None,
+    greedy_scores: bool = True,
 ) -> list[GenerationResult]:
-    """Generate for each source (ids ending with EOS); one result per source, in order."""
+    """Generate for each source (ids ending with EOS); one result per source, in order.
+
+    Without `greedy_scores`, greedy results carry no score (None): picking each token is then an
+    argmax, without the log-softmax over the vocabulary that its log-probability needs.
+    """
     if not sources:
         return []
     if any(not s for s in sources):
@@ -106,7 +115,7 @@ def generate(
         raise ValueError(f"{len(hooks)} hooks for {len(sources)} sources")
     state = runtime.encode(runtime.pad(sources))
     if beam_size == 1:
-        return greedy(runtime, state, max_new_tokens, hooks)
+        return greedy(runtime, state, max_new_tokens, hooks, scores=greedy_scores)
     return beam_search(runtime, state, beam_size, max_new_tokens, length_penalty, hooks)
 
 
@@ -122,33 +131,40 @@ def _emit(hooks: Hooks | None, row: int, token: int) -> None:
 
 
 def greedy(
-    runtime: Runtime, state: EncoderState, max_new_tokens: int, hooks: Hooks | None = None
+    runtime: Runtime, state: EncoderState, max_new_tokens: int, hooks: Hooks | None = None,
+    scores: bool = True,
 ) -> list[GenerationResult]:
     """The most likely token at every step; a row stops at EOS, at the token limit or when its
-    hook is cancelled."""
+    hook is cancelled. Each result's score is its summed log-probability, or None without
+    `scores`."""
     batch = state.source_mask.shape[0]
     results: list[GenerationResult | None] = [None] * batch
     tokens: list[list[int]] = [[] for _ in range(batch)]
-    scores = [0.0] * batch
+    summed = [0.0] * batch
+
+    def score(row: int) -> float | None:
+        return summed[row] if scores else None
+
     active = np.arange(batch)  # original row of each row still decoding
     last = np.full((batch, 1), runtime.bos_id, dtype=np.int64)
     cache: KVCache | None = None
     for step in range(max_new_tokens):
         out = runtime.decode(last, state, cache)
-        best, chosen = greedy_choice(out.logits[:, -1])  # (B_active,) each
+        best, chosen = greedy_choice(out.logits[:, -1], scores)  # (B_active,) each
         keep = []
         for i, row in enumerate(active.tolist()):
             token = int(best[i])
-            scores[row] += float(chosen[i])
+            if chosen is not None:
+                summed[row] += float(chosen[i])
             if token == runtime.eos_id:
-                results[row] = GenerationResult(tokens[row], "eos", scores[row])
+                results[row] = GenerationResult(tokens[row], "eos", score(row))
                 continue
             tokens[row].append(token)
             _emit(hooks, row, token)
             if step == max_new_tokens - 1:
-                results[row] = GenerationResult(tokens[row], "length", scores[row])
+                results[row] = GenerationResult(tokens[row], "length", score(row))
             elif _cancelled(hooks, row):
-                results[row] = GenerationResult(tokens[row], "cancelled", scores[row])
+                results[row] = GenerationResult(tokens[row], "cancelled", score(row))
             else:
                 keep.append(i)
         if not keep:
@@ -157,7 +173,7 @@ def greedy(
         last, cache = best[rows][:, None], out.cache
         if len(keep) < len(active):  # finished rows leave the batch
             active, state, cache = active[rows], state.select(rows), cache.select(rows)
-    return [r if r is not None else GenerationResult([], "length", 0.0) for r in results]
+    return [r if r is not None else GenerationResult([], "length", score(0)) for r in results]
 
 
 def beam_search(

@@ -87,6 +87,10 @@ class Settings(BaseSettings):
         "(scaled inversely with the batch's rows), since every row's cache is as long as the "
         "oldest row's (0 = any age)",
     )
+    greedy_scores: bool = Field(
+        default=False, description="sum each greedy result's log-probability (the API does not "
+        "return it; it costs a log-softmax over the vocabulary every step)",
+    )
     max_queue_size: int = Field(default=256, ge=1, description="rows waiting, per model")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
 

@@ -19,3 +19,5 @@ def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path
     assert in_place["steps"] > 0 and copying["steps"] > 0
     assert in_place["steps"] == copying["steps"]  # the same schedule: the same tokens
     assert 0 < in_place["copies"] < copying["copies"]  # some joins still copy (a longer source, trimming)
+    scored = modes["dead slots filled in place, greedy scores (a log-softmax per step)"]["median"]
+    assert (scored["steps"], scored["copies"]) == (in_place["steps"], in_place["copies"])  # the same tokens

@@ -54,6 +54,16 @@ def test_staggered_joins_decode_what_each_row_decodes_alone(tiny_runtime: ModelR
         assert results[owner].score == pytest.approx(expected.score, abs=1e-4)
 
 
+def test_without_scores_the_batch_decodes_the_same_tokens(tiny_runtime: ModelRuntime, sources) -> None:
+    """The service's running batch skips the log-softmax: same tokens and reasons, no score."""
+    joins = {step: [(owner, sources[owner], 12)] for step, owner in enumerate(range(0, len(sources), 2))}
+    results: dict[int, GenerationResult] = {}
+    _drain(RunningBatch(tiny_runtime, scores=False), results, joins)
+    for owner, result in results.items():
+        expected = _alone(tiny_runtime, sources[owner], 12)
+        assert (result.tokens, result.finish_reason, result.score) == (expected.tokens, expected.finish_reason, None)
+
+
 def test_a_row_joining_a_long_running_batch_is_not_disturbed(tiny_runtime: ModelRuntime, sources) -> None:
     """A short source joins late next to a long one that runs to its token limit, and the reverse."""
     long_source, short_source = sources[-2], sources[0]
@@ -169,3 +179,19 @@ def test_newcomers_are_encoded_in_groups_of_similar_length() -> None:
         lengths = [i + 1 for i in group]
         assert len(lengths) * max(lengths) <= 1.25 * sum(lengths)
 
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_the_service_scores_greedy_results_only_when_set(tiny_runtime: ModelRuntime, sources, scored: bool) -> None:
+    from service.registry import onnx_generator, onnx_running_batch
+    from service.settings import Settings
+
+    settings = Settings(greedy_scores=scored)
+    generated = onnx_generator(settings)(tiny_runtime)([sources[0]], 1, 8)[0]
+    batch = onnx_running_batch(settings)(tiny_runtime)()
+    batch.add([sources[0]], ["row"], [8])
+    stepped = []
+    while len(batch):
+        stepped += batch.step()
+    assert stepped[0][1].tokens == generated.tokens
+    assert (generated.score is not None, stepped[0][1].score is not None) == (scored, scored)

@@ -33,6 +33,15 @@ def _same(actual: list[GenerationResult], expected) -> None:
     assert [g.score for g in actual] == pytest.approx([g.score for g in expected], abs=1e-4)
 
 
+def test_greedy_without_scores_picks_the_same_tokens(tiny_runtime: ModelRuntime, sources) -> None:
+    scored = generate(tiny_runtime, sources, 1, 12)
+    unscored = generate(tiny_runtime, sources, 1, 12, greedy_scores=False)
+    assert [(g.tokens, g.finish_reason) for g in unscored] == [(g.tokens, g.finish_reason) for g in scored]
+    assert all(g.score is None for g in unscored) and all(g.score is not None for g in scored)
+    beams = generate(tiny_runtime, sources[:2], 3, 12, greedy_scores=False)  # beam search always scores
+    assert all(g.score is not None for g in beams)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 14])
 def test_greedy_equals_pytorch(tiny_runtime: ModelRuntime, tiny_repository_model: Transformer, sources, rows: int) -> None:
     batch = sources[-rows:]
