@@ -173,7 +173,7 @@ def greedy(
         last, cache = best[rows][:, None], out.cache
         if len(keep) < len(active):  # finished rows leave the batch
             active, state, cache = active[rows], state.select(rows), cache.select(rows)
-    return [r if r is not None else GenerationResult([], "length", score(0)) for r in results]
+    return [r if r is not None else GenerationResult([], "length", 0.0 if scores else None) for r in results]
 
 
 def beam_search(

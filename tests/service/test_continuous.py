@@ -180,7 +180,6 @@ def test_newcomers_are_encoded_in_groups_of_similar_length() -> None:
         assert len(lengths) * max(lengths) <= 1.25 * sum(lengths)
 
 
-
 @pytest.mark.parametrize("scored", [False, True])
 def test_the_service_scores_greedy_results_only_when_set(tiny_runtime: ModelRuntime, sources, scored: bool) -> None:
     from service.registry import onnx_generator, onnx_running_batch
