@@ -16,6 +16,13 @@ decoder.onnx (one merged graph: past_len may be 0)
   outputs  logits (batch, new_len, vocab); present_key.{i}, present_value.{i}
            (batch, heads, total_len, head_dim); self_attention.{i} (batch, heads, new_len,
            total_len); cross_attention.{i} (batch, heads, new_len, source_len)
+
+decoder_step.onnx (continuous batching, `export.cached_step`: each row over its own length)
+  inputs   input_ids, positions (batch, 1) int64 (positions: each row's cached length);
+           source_mask (batch, source_len) bool; past_key.{i}, past_value.{i}
+           (batch, heads, capacity, head_dim); cross_key.{i}, cross_value.{i}
+  outputs  logits (batch, vocab); present_key.{i}, present_value.{i} (batch, heads, capacity,
+           head_dim): the past buffers with each row's new position written
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Any
 
 # named dynamic axes
 BATCH, SOURCE_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "source_len", "new_len", "past_len", "total_len"
+CAPACITY = "capacity"
 
 
 def encoder_inputs() -> list[str]:
@@ -56,6 +64,14 @@ def decoder_inputs(n_decoder_layers: int) -> list[str]:
             + past_names(n_decoder_layers) + cross_names(n_decoder_layers))
 
 
+def step_inputs(n_decoder_layers: int) -> list[str]:
+    return ["input_ids", "positions", "source_mask"] + past_names(n_decoder_layers) + cross_names(n_decoder_layers)
+
+
+def step_outputs(n_decoder_layers: int) -> list[str]:
+    return ["logits"] + present_names(n_decoder_layers)
+
+
 def decoder_attention_outputs(n_decoder_layers: int) -> list[str]:
     return ([f"self_attention.{i}" for i in range(n_decoder_layers)]
             + [f"cross_attention.{i}" for i in range(n_decoder_layers)])
@@ -80,15 +96,27 @@ _AXES = {
     "self_attention": [BATCH, "heads", NEW_LEN, TOTAL_LEN],
     "cross_attention": [BATCH, "heads", NEW_LEN, SOURCE_LEN],
 }
+# decoder_step: the cache axis is the buffer's capacity; one new position per row
+_STEP_AXES = {
+    "positions": [BATCH, "one"],
+    "past_key": [BATCH, "heads", CAPACITY, "head_dim"],
+    "past_value": [BATCH, "heads", CAPACITY, "head_dim"],
+    "present_key": [BATCH, "heads", CAPACITY, "head_dim"],
+    "present_value": [BATCH, "heads", CAPACITY, "head_dim"],
+    "logits": [BATCH, "vocab"],
+}
 _DTYPES = {"input_ids": "int64", "positions": "int64", "source_mask": "bool", "target_mask": "bool"}
 
 
 def axes(graph: str, name: str) -> list[str]:
     """The named axes of a tensor of `graph` ("encoder" | "decoder"); "heads", "head_dim" and
-    "vocab" are fixed sizes, the others dynamic."""
+    "vocab" are fixed sizes ("one": the step graph's single new position), the others dynamic."""
     if name == "input_ids":
-        return [BATCH, SOURCE_LEN if graph == "encoder" else NEW_LEN]
-    return _AXES[name.split(".")[0]]
+        return {"encoder": [BATCH, SOURCE_LEN], "decoder_step": [BATCH, "one"]}.get(graph, [BATCH, NEW_LEN])
+    kind = name.split(".")[0]
+    if graph == "decoder_step" and kind in _STEP_AXES:
+        return _STEP_AXES[kind]
+    return _AXES[kind]
 
 
 def dtype(name: str) -> str:

@@ -110,7 +110,8 @@ def _name_axes(proto: onnx.ModelProto, graph: str) -> None:
         if len(dims) != len(names):
             raise RuntimeError(f"{graph}.{value.name}: rank {len(dims)}, expected axes {names}")
         for dim, name in zip(dims, names, strict=True):
-            if name in (graph_io.BATCH, graph_io.SOURCE_LEN, graph_io.NEW_LEN, graph_io.PAST_LEN, graph_io.TOTAL_LEN):
+            if name in (graph_io.BATCH, graph_io.SOURCE_LEN, graph_io.NEW_LEN, graph_io.PAST_LEN, graph_io.TOTAL_LEN,
+                        graph_io.CAPACITY):
                 dim.ClearField("dim_value")
                 dim.dim_param = name
 
@@ -130,13 +131,16 @@ def _quiet(*names: str) -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _export(module: nn.Module, args: tuple, input_names: list[str], output_names: list[str],
-            dynamic_shapes: tuple, graph: str) -> onnx.ModelProto:
+def export_graph(module: nn.Module, args: tuple, input_names: list[str], output_names: list[str],
+                 dynamic_shapes: tuple, graph: str, translations: dict | None = None) -> onnx.ModelProto:
+    """Export `module` with the dynamo exporter, check its I/O names, name its axes (`graph_io`);
+    `translations` maps custom PyTorch operators to their ONNX functions."""
     with warnings.catch_warnings(), _quiet(*QUIET_LOGGERS):
         warnings.simplefilter("ignore")  # exporter chatter (deprecations, torchvision missing)
         program = torch.onnx.export(
             module.eval(), args, None, input_names=input_names, output_names=output_names,
             dynamic_shapes=dynamic_shapes, opset_version=OPSET, dynamo=True, optimize=True, verbose=False,
+            custom_translation_table=translations,
         )
     if program is None:
         raise RuntimeError("torch.onnx.export returned no program")
@@ -146,7 +150,8 @@ def _export(module: nn.Module, args: tuple, input_names: list[str], output_names
         raise RuntimeError(f"{graph}: exported I/O {found} differs from {input_names, output_names}")
     _name_axes(proto, graph)
     proto.doc_string = f"attnserve {graph}"
-    onnx.checker.check_model(proto)
+    if not translations:  # the checker knows no contrib operators (onnxruntime checks them at load)
+        onnx.checker.check_model(proto)
     return proto
 
 
@@ -154,7 +159,7 @@ def _export(module: nn.Module, args: tuple, input_names: list[str], output_names
 def export_encoder(model: Transformer) -> onnx.ModelProto:
     config = model.config
     auto = torch.export.Dim.AUTO
-    return _export(EncoderGraph(model), example_encoder_inputs(model), graph_io.encoder_inputs(),
+    return export_graph(EncoderGraph(model), example_encoder_inputs(model), graph_io.encoder_inputs(),
                    graph_io.encoder_outputs(config.n_encoder_layers, config.n_decoder_layers),
                    ({0: auto, 1: auto},), "encoder")
 
@@ -165,7 +170,7 @@ def export_decoder(model: Transformer) -> onnx.ModelProto:
     auto = torch.export.Dim.AUTO
     kv = tuple({0: auto, 2: auto} for _ in range(2 * layers))
     dynamic_shapes = ({0: auto, 1: auto},) * 4 + (kv, kv)
-    return _export(DecoderGraph(model), example_decoder_inputs(model), graph_io.decoder_inputs(layers),
+    return export_graph(DecoderGraph(model), example_decoder_inputs(model), graph_io.decoder_inputs(layers),
                    graph_io.decoder_outputs(layers), dynamic_shapes, "decoder")
 
 

@@ -1,0 +1,155 @@
+"""The decoder step for continuous batching: each row attends over its own cache length.
+
+The merged decoder (`export.onnx_export.DecoderGraph`) takes a (B, h, P, d) cache that every
+row shares in length: a running batch pads each newcomer's cache to its oldest row's, masks
+the padding, and the graph's `Concat` copies the whole cache at every step (26% of a step of
+20 rows x 67 positions on a 2-core CPU, `bench.decoder_profile`).
+
+This graph keeps each row's keys/values in a fixed buffer (B, h, capacity, d): row b's own
+positions sit in columns 0..positions[b]-1, and its new key/value goes to column
+positions[b]. Self-attention is onnxruntime's `com.microsoft.GroupQueryAttention` (with as many
+key/value heads as query heads: plain multi-head attention), which reads each row's own length
+from `seqlens_k` and, when `present_*` is bound to the same buffer as `past_*` (IO binding),
+writes the new column in place: no copy of the cache, no padding to the oldest row.
+
+    inputs   input_ids, positions (batch, 1) int64 (a row's position = its cached length);
+             source_mask (batch, source_len) bool; past_key.{i}, past_value.{i}
+             (batch, heads, capacity, head_dim); cross_key.{i}, cross_value.{i}
+    outputs  logits (batch, vocab); present_key.{i}, present_value.{i} (the buffers, updated)
+
+The PyTorch side is a custom operator (`attnserve::cached_self_attention`) whose reference
+implementation computes the same thing, so the wrapper traces like the other graphs and the
+exporter translates that one operator to the onnxruntime kernel. It runs on onnxruntime only
+(the kernel is a contrib operator); no attention weights come out of it (maps use the merged
+decoder).
+"""
+
+from __future__ import annotations
+
+import onnx
+import torch
+from onnx.defs import OpSchema
+from onnxscript import opset18 as op
+from onnxscript.values import Op, Opset
+from torch import Tensor, nn
+
+from export import graph_io
+from model.attention import scaled_dot_product_attention
+from model.transformer import DecoderLayer, Transformer
+
+STEP_DECODER_FILE = "decoder_step.onnx"
+
+_MICROSOFT = Opset("com.microsoft", 1)
+_Param = OpSchema.FormalParameter
+# The onnx package carries no schemas of onnxruntime's contrib operators; the exporter needs
+# one to build the node (only the inputs, outputs and attributes used here).
+_GQA_SCHEMA = OpSchema(
+    "GroupQueryAttention", "com.microsoft", 1,
+    inputs=[_Param("query", "T"), _Param("key", "T"), _Param("value", "T"), _Param("past_key", "T"),
+            _Param("past_value", "T"), _Param("seqlens_k", "M"), _Param("total_sequence_length", "M")],
+    outputs=[_Param("output", "T"), _Param("present_key", "T"), _Param("present_value", "T")],
+    type_constraints=[("T", ["tensor(float)"], ""), ("M", ["tensor(int32)"], "")],
+    attributes=[OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
+                OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "")],
+)
+_GROUP_QUERY_ATTENTION = Op(_MICROSOFT, "GroupQueryAttention", _GQA_SCHEMA)
+
+
+@torch.library.custom_op("attnserve::cached_self_attention", mutates_args=())
+def cached_self_attention(query: Tensor, key: Tensor, value: Tensor, past_key: Tensor, past_value: Tensor,
+                          lengths: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """query/key/value (B, 1, D) of each row's new position; past keys/values (B, h, C, d) with
+    row b's positions in columns 0..lengths[b]-1. Returns the output (B, 1, D) and the buffers
+    with the new key/value in column lengths[b] (B, h, C, d)."""
+    batch, _, width = query.shape
+    head_dim = width // n_heads
+    rows = torch.arange(batch, device=query.device)
+    present_key, present_value = past_key.clone(), past_value.clone()
+    present_key[rows, :, lengths] = key.view(batch, n_heads, head_dim)
+    present_value[rows, :, lengths] = value.view(batch, n_heads, head_dim)
+    own = torch.arange(past_key.size(2), device=query.device)[None, :] <= lengths[:, None]  # (B, C)
+    heads = query.view(batch, 1, n_heads, head_dim).transpose(1, 2)  # (B, h, 1, d)
+    context, _ = scaled_dot_product_attention(heads, present_key, present_value, own[:, None, None, :])
+    return context.transpose(1, 2).reshape(batch, 1, width), present_key, present_value
+
+
+@cached_self_attention.register_fake
+def _cached_self_attention_shapes(query: Tensor, key: Tensor, value: Tensor, past_key: Tensor,
+                                  past_value: Tensor, lengths: Tensor, n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
+
+
+def _cached_self_attention_onnx(query, key, value, past_key, past_value, lengths, n_heads: int):  # type: ignore[no-untyped-def]
+    """The operator as onnxruntime's GroupQueryAttention: seqlens_k is each row's past length,
+    total_sequence_length the longest row's length after this step."""
+    seqlens = op.Cast(lengths, to=onnx.TensorProto.INT32)
+    total = op.Cast(op.Add(op.ReduceMax(lengths, keepdims=0), op.Constant(value_int=1)), to=onnx.TensorProto.INT32)
+    return _GROUP_QUERY_ATTENTION(query, key, value, past_key, past_value, seqlens, total,
+                                  num_heads=n_heads, kv_num_heads=n_heads, _num_outputs=3)
+
+
+TRANSLATIONS = {torch.ops.attnserve.cached_self_attention.default: _cached_self_attention_onnx}
+
+
+class CachedStepGraph(nn.Module):
+    """One decoder step per row over its own cache (see the module's docstring)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: Tensor,  # (B, 1)
+        positions: Tensor,  # (B, 1): each row's cached length
+        source_mask: Tensor,  # (B, S) bool
+        past: tuple[Tensor, ...],  # past_key.0, past_value.0, ...: (B, h, C, d)
+        cross: tuple[Tensor, ...],  # cross_key.0, cross_value.0, ...: (B, h, S, d)
+    ) -> tuple[Tensor, ...]:
+        model = self.model
+        x = model.target_embedding(input_ids, positions)  # (B, 1, D)
+        lengths = positions[:, 0]  # (B,)
+        cross_mask = source_mask[:, None, None, :]  # (B, 1, 1, S)
+        presents: list[Tensor] = []
+        for i, layer in enumerate(model.decoder_layers):
+            assert isinstance(layer, DecoderLayer)
+            attention = layer.self_attention
+            h = layer.self_sublayer.input(x)
+            context, key, value = torch.ops.attnserve.cached_self_attention(
+                attention.query(h), attention.key(h), attention.value(h), past[2 * i], past[2 * i + 1],
+                lengths, attention.n_heads)
+            x = layer.self_sublayer.output(x, attention.output(context))
+            h = layer.cross_sublayer.input(x)
+            attended, _ = layer.cross_attention(h, cross[2 * i], cross[2 * i + 1], cross_mask, True)
+            x = layer.cross_sublayer.output(x, attended)
+            x = layer.feed_forward_sublayer.output(x, layer.feed_forward(layer.feed_forward_sublayer.input(x)))
+            presents += [key, value]
+        logits = model.output_projection(model.decoder_norm(x))[:, 0]  # (B, V)
+        return (logits, *presents)
+
+
+def example_step_inputs(model: Transformer) -> tuple[Tensor | tuple[Tensor, ...], ...]:
+    """Every dynamic size >= 2 and all different (batch 3, source 7, capacity 5)."""
+    config = model.config
+    batch, source, capacity = 3, 7, 5
+    heads, head_dim, layers = config.n_heads, config.head_dim, config.n_decoder_layers
+    return (
+        torch.randint(4, config.vocab_size, (batch, 1)),
+        torch.tensor([[0], [2], [4]]),
+        torch.ones(batch, source, dtype=torch.bool),
+        tuple(torch.randn(batch, heads, capacity, head_dim) for _ in range(2 * layers)),
+        tuple(torch.randn(batch, heads, source, head_dim) for _ in range(2 * layers)),
+    )
+
+
+@torch.no_grad()
+def export_cached_step(model: Transformer) -> onnx.ModelProto:
+    """The fp32 step graph in memory."""
+    from export.onnx_export import export_graph
+
+    layers = model.config.n_decoder_layers
+    auto = torch.export.Dim.AUTO
+    kv = tuple({0: auto, 2: auto} for _ in range(2 * layers))
+    return export_graph(CachedStepGraph(model.eval()), example_step_inputs(model), graph_io.step_inputs(layers),
+                        graph_io.step_outputs(layers), ({0: auto}, {0: auto}, {0: auto, 1: auto}, kv, kv),
+                        "decoder_step", translations=TRANSLATIONS)
