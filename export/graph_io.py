@@ -109,8 +109,9 @@ _DTYPES = {"input_ids": "int64", "positions": "int64", "source_mask": "bool", "t
 
 
 def axes(graph: str, name: str) -> list[str]:
-    """The named axes of a tensor of `graph` ("encoder" | "decoder"); "heads", "head_dim" and
-    "vocab" are fixed sizes ("one": the step graph's single new position), the others dynamic."""
+    """The named axes of a tensor of `graph` ("encoder" | "decoder" | "decoder_step"); "heads",
+    "head_dim" and "vocab" are fixed sizes ("one": the step graph's single new position), the
+    others dynamic."""
     if name == "input_ids":
         return {"encoder": [BATCH, SOURCE_LEN], "decoder_step": [BATCH, "one"]}.get(graph, [BATCH, NEW_LEN])
     kind = name.split(".")[0]
