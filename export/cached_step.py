@@ -119,10 +119,7 @@ class CachedStepGraph(nn.Module):
                 attention.query(h), attention.key(h), attention.value(h), past[2 * i], past[2 * i + 1],
                 lengths, attention.n_heads)
             x = layer.self_sublayer.output(x, attention.output(context))
-            h = layer.cross_sublayer.input(x)
-            attended, _ = layer.cross_attention(h, cross[2 * i], cross[2 * i + 1], cross_mask, True)
-            x = layer.cross_sublayer.output(x, attended)
-            x = layer.feed_forward_sublayer.output(x, layer.feed_forward(layer.feed_forward_sublayer.input(x)))
+            x, _ = layer.attend_source_and_feed_forward(x, cross[2 * i], cross[2 * i + 1], cross_mask, True)
             presents += [key, value]
         logits = model.output_projection(model.decoder_norm(x))[:, 0]  # (B, V)
         return (logits, *presents)

@@ -150,16 +150,22 @@ class DecoderLayer(nn.Module):
         value = torch.cat([cache.self_value, new_value], dim=2)  # (B, h, P+T, d)
         attended, self_weights = self.self_attention(h, key, value, self_mask, need_weights)
         x = self.self_sublayer.output(x, attended)
-        # 2. cross-attention over the encoder output (keys/values cached once)
-        h = self.cross_sublayer.input(x)
-        attended, cross_weights = self.cross_attention(
-            h, cache.cross_key, cache.cross_value, cross_mask, need_weights
-        )
-        x = self.cross_sublayer.output(x, attended)
-        # 3. feed-forward
-        x = self.feed_forward_sublayer.output(x, self.feed_forward(self.feed_forward_sublayer.input(x)))
+        # 2. and 3.
+        x, cross_weights = self.attend_source_and_feed_forward(x, cache.cross_key, cache.cross_value, cross_mask,
+                                                               need_weights)
         grown = LayerCache(key, value, cache.cross_key, cache.cross_value)
         return x, grown, self_weights, cross_weights
+
+    def attend_source_and_feed_forward(
+        self, x: Tensor, cross_key: Tensor, cross_value: Tensor, cross_mask: Tensor, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """After self-attention: cross-attention over the encoder output (keys/values (B, h, S, d),
+        cached once), then feed-forward. x (B, T, D) -> (B, T, D), weights (B, h, T, S) or None."""
+        h = self.cross_sublayer.input(x)
+        attended, cross_weights = self.cross_attention(h, cross_key, cross_value, cross_mask, need_weights)
+        x = self.cross_sublayer.output(x, attended)
+        x = self.feed_forward_sublayer.output(x, self.feed_forward(self.feed_forward_sublayer.input(x)))
+        return x, cross_weights
 
 
 class Transformer(nn.Module):
