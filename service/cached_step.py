@@ -26,10 +26,6 @@ class CacheBuffers:
         self.values = [ort.OrtValue.ortvalue_from_numpy(array) for array in self.arrays]  # same memory
 
     @property
-    def rows(self) -> int:
-        return int(self.arrays[0].shape[0])
-
-    @property
     def capacity(self) -> int:
         return int(self.arrays[0].shape[2])
 
