@@ -1,13 +1,14 @@
-"""What joining costs a running batch: continuous batching in-process, with and without
-newcomers taking the slots of rows that left (and what greedy scores cost its steps).
+"""What joining costs a running batch: continuous batching in-process, on the step graph (each
+row in its own slot) and on the merged decoder, with and without newcomers taking the slots of
+rows that left (and what greedy scores cost its steps).
 
     python -m bench.join_cost --model models/translate-en-it --data-dir data --out bench/results/join_cost_cpu.json
 
 Replays the first `--sentences` test sources through one `RunningBatch` (one intra-op thread, as
 each batch worker has): whenever fewer than `--rows` rows are decoding, the next `--group`
-sources join, then one decoder step runs. Each mode (newcomers fill dead slots in place, or
-every join copies the batch; and the first again with each token's log-probability summed, which
-the service skips) runs `--repeats` times in turn; it reports the seconds spent in joins (encoder
+sources join, then one decoder step runs. Each mode (`SlotBatch` on the step graph; on the merged
+decoder, newcomers fill dead slots in place, or every join copies the batch, and the first again
+with each token's log-probability summed, which the service skips) runs `--repeats` times in turn; it reports the seconds spent in joins (encoder
 calls, copies), in copies alone and in decoder steps, the median run of each.
 """
 
@@ -19,33 +20,54 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import machine
 
-# mode -> RunningBatch (trim_slack, scores); the service's batch is the first
-MODES = {"dead slots filled in place": (4, False), "every join copies the batch": (-1, False),
-         "dead slots filled in place, greedy scores (a log-softmax per step)": (4, True)}
+
+def _merged(trim_slack: int, scores: bool) -> Callable[[Any], Any]:
+    def make(runtime: Any) -> Any:
+        from service.continuous import RunningBatch
+
+        return RunningBatch(runtime, trim_slack=trim_slack, scores=scores)
+    return make
 
 
-def replay(runtime: Any, sources: list[list[int]], rows: int, group: int, trim_slack: int,
-           scores: bool = False) -> dict[str, float]:
-    """Seconds in joins, in the batch copies and in steps; the counts of copies and steps."""
-    from service.continuous import RunningBatch
+def _slots(runtime: Any) -> Any:
+    from service.slot_batch import SlotBatch
 
-    batch: RunningBatch[int] = RunningBatch(runtime, trim_slack=trim_slack, scores=scores)
+    return SlotBatch(runtime, scores=False)
+
+
+# mode -> a running batch over the runtime; the service's batch is the step graph's when the
+# model has one (`service.registry.onnx_running_batch`), else the second
+MODES: dict[str, Callable[[Any], Any]] = {
+    "step graph, each row in its own slot": _slots,
+    "merged decoder, dead slots filled in place": _merged(4, False),
+    "merged decoder, every join copies the batch": _merged(-1, False),
+    "merged decoder, dead slots filled in place, greedy scores (a log-softmax per step)": _merged(4, True),
+}
+
+
+def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
+           make_batch: Callable[[Any], Any]) -> dict[str, float]:
+    """Seconds in joins, in the batch copies (RunningBatch's rebuilds, SlotBatch's resizes) and
+    in steps; the counts of copies and steps."""
+    batch = make_batch(runtime)
     copy_s, copies = 0.0, 0
-    rebuild = batch._rebuild
+    name = "_rebuild" if hasattr(batch, "_rebuild") else "_resize"
+    copy = getattr(batch, name)
 
-    def timed_rebuild(newcomers: list[Any]) -> None:
+    def timed_copy(*args: Any) -> None:
         nonlocal copy_s, copies
         started = time.perf_counter()
-        rebuild(newcomers)
+        copy(*args)
         copy_s += time.perf_counter() - started
         copies += 1
 
-    batch._rebuild = timed_rebuild  # type: ignore[method-assign]
+    setattr(batch, name, timed_copy)
     joins = steps = 0.0
     count = 0
     index = 0
@@ -86,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
                for line in lines[: args.sentences]]
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for _ in range(args.repeats):
-        for mode, (trim_slack, scores) in MODES.items():
-            runs[mode].append(replay(runtime, sources, args.rows, args.group, trim_slack, scores))
+        for mode, make_batch in MODES.items():
+            if make_batch is _slots and runtime.step is None:
+                continue
+            runs[mode].append(replay(runtime, sources, args.rows, args.group, make_batch))
+    runs = {mode: mode_runs for mode, mode_runs in runs.items() if mode_runs}
     results = {
         "command": "python -m bench.join_cost " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine.describe(), "model": manifest.name, "sentences": len(sources),

@@ -5,8 +5,8 @@ against the step graph over each row's own length (`export.cached_step`), in-pro
 
 For each batch size and oldest row's length P: the service's decoder (int8 on the CPU) steps
 B rows whose cache is P columns long (every row padded to the oldest, as the running batch
-does now), and the step graph (exported here from the model's checkpoint, made int8 the same
-way) steps B rows whose own lengths are drawn from 0..P (one at P) in buffers of
+did before the step graph), and the repository's step graph (`decoder_step.onnx` of the same
+variant) steps B rows whose own lengths are drawn from 0..P (one at P) in buffers of
 `--capacity` columns, written in place. One intra-op thread (as each batch worker has); the
 median of `--repeats` timed calls of each, the two graphs called in turn, each call with its
 Python binding work included.
@@ -32,26 +32,6 @@ BATCHES = (1, 2, 4, 8, 20, 32, 64)
 PASTS = (8, 20, 40, 67, 120)
 
 
-def step_session(model_dir: Path, variant: str) -> Any:
-    """The step graph of the model's checkpoint (bf16-rounded, as the committed graphs are),
-    int8 or fp32, in an onnxruntime session with the service's CPU options."""
-    import onnxruntime as ort
-
-    from export.cached_step import export_cached_step
-    from export.repository import round_to_bf16
-    from export.variants import to_int8
-    from model.checkpoint import load_model
-
-    graph = export_cached_step(round_to_bf16(load_model(model_dir).float().eval()))
-    if variant == "int8":
-        graph = to_int8(graph)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.add_session_config_entry("session.disable_quant_qdq", "1")
-    return ort.InferenceSession(graph.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def _paired_median_ms(first: Any, second: Any, repeats: int) -> tuple[float, float]:
     """Median milliseconds of each call, the two called in turn (this machine's speed drifts
     within seconds: timing one after the other would compare two machines)."""
@@ -70,7 +50,9 @@ def measure(model_dir: Path, source_len: int, capacity: int, repeats: int, seed:
     from service.runtime import KVCache, ModelRuntime
 
     runtime = ModelRuntime.load(model_dir, providers=["CPUExecutionProvider"], threads=1, spinning=False)
-    session = step_session(model_dir, runtime.variant)
+    session = runtime.step
+    if session is None:
+        raise SystemExit(f"{model_dir}: variant {runtime.variant} has no step graph (decoder_step.onnx)")
     rng = np.random.default_rng(seed)
     layers, heads, head_dim = runtime.n_decoder_layers, runtime.n_heads, runtime.head_dim
     rows = []

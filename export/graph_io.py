@@ -130,7 +130,7 @@ def describe(graph: str, names: list[str]) -> list[dict[str, Any]]:
 
 
 def io_section(n_encoder_layers: int, n_decoder_layers: int) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """The manifest's `io`: inputs and outputs of both graphs."""
+    """The manifest's `io`: inputs and outputs of the encoder, decoder and decoder step graphs."""
     return {
         "encoder": {
             "inputs": describe("encoder", encoder_inputs()),
@@ -139,5 +139,9 @@ def io_section(n_encoder_layers: int, n_decoder_layers: int) -> dict[str, dict[s
         "decoder": {
             "inputs": describe("decoder", decoder_inputs(n_decoder_layers)),
             "outputs": describe("decoder", decoder_outputs(n_decoder_layers)),
+        },
+        "decoder_step": {
+            "inputs": describe("decoder_step", step_inputs(n_decoder_layers)),
+            "outputs": describe("decoder_step", step_outputs(n_decoder_layers)),
         },
     }

@@ -4,6 +4,7 @@ every file in its folder. Torch-free: the service reads it with the standard lib
     models/<name>/manifest.json
     models/<name>/tokenizer.model, checkpoint.safetensors
     models/<name>/encoder.onnx, decoder.onnx           fp32
+    models/<name>/decoder_step.onnx                    fp32 (continuous batching's step)
     models/<name>/int8/..., fp16/...                   variants
 """
 
@@ -62,6 +63,9 @@ class Variant:
     note: str = ""
     # external-data files stored packed (`export.packed_weights`), expanded in memory at load
     packed_weights: list[str] = field(default_factory=list)
+    # the decoder step over each row's own cache (`export.cached_step`) for continuous
+    # batching; "" when the variant has none (the running batch then uses `decoder`)
+    step_decoder: str = ""
 
 
 @dataclass
@@ -77,7 +81,7 @@ class Manifest:
     max_source_len: int  # source tokens including the final EOS
     max_target_len: int  # generated tokens including EOS
     opset: int
-    io: dict[str, dict[str, list[dict[str, Any]]]]  # {encoder|decoder: {inputs|outputs: [...]}}
+    io: dict[str, dict[str, list[dict[str, Any]]]]  # {encoder|decoder|decoder_step: {inputs|outputs: [...]}}
     variants: dict[str, Variant]
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     tokenizer: str = "tokenizer.model"
@@ -162,6 +166,8 @@ def verify_files(directory: str | Path, manifest: Manifest) -> None:
     referenced = {manifest.tokenizer, manifest.checkpoint}
     for variant in manifest.variants.values():
         referenced.update((variant.encoder, variant.decoder, *variant.packed_weights))
+        if variant.step_decoder:
+            referenced.add(variant.step_decoder)
     for name in sorted(referenced | set(manifest.files)):
         relative = PurePosixPath(name)
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:

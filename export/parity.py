@@ -8,6 +8,9 @@ For a batch of one source and a batch of several sources of mixed lengths (right
    matches PyTorch's logits, present keys/values and self-/cross-attention;
 4. with cache: the same targets fed one token a step, each step on the previous step's
    present keys/values, match step t of PyTorch's teacher-forced call.
+5. the step graph (`decoder_step.onnx`, when the variant has one): the same targets one token a
+   step, each row in its cache buffer, match PyTorch's logits; greedy decoding in a running
+   batch on it (`service.slot_batch.SlotBatch`) gives PyTorch's tokens.
 A difference beyond the tolerances raises a `ParityError` naming the output, the case and
 the size of the difference.
 """
@@ -23,8 +26,10 @@ import torch
 
 from model.decoding import greedy_decode
 from model.transformer import Transformer
+from service.cached_step import CacheBuffers, run_step
 from service.generation import generate
-from service.runtime import ModelRuntime
+from service.runtime import ModelRuntime, to_numpy
+from service.slot_batch import SlotBatch
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +173,35 @@ def _check_case(model: Transformer, runtime: ModelRuntime, sources: list[list[in
     for i, layer in enumerate(full.cache.layers):
         compare("present_key_value", f"present_key.{i} (cache)", cache.keys[i], layer.self_key, KEY_VALUE_ATOL)
         compare("present_key_value", f"present_value.{i} (cache)", cache.values[i], layer.self_value, KEY_VALUE_ATOL)
+    # 5. the step graph
+    if runtime.step is not None:
+        _check_step_graph(runtime, state, target_np, target_mask_np, full.logits, expected_gen, sources,
+                          max_new_tokens, compare)
+
+
+def _check_step_graph(runtime: ModelRuntime, state: Any, target_np: np.ndarray, target_mask_np: np.ndarray,
+                      full_logits: torch.Tensor, expected_gen: list, sources: list[list[int]],
+                      max_new_tokens: int, compare: _Comparer) -> None:
+    """Teacher-forced logits one token a step in cache buffers, then greedy tokens in a SlotBatch."""
+    assert runtime.step is not None
+    batch, length = target_np.shape
+    buffers = CacheBuffers(runtime.n_decoder_layers, batch, runtime.n_heads, length, runtime.head_dim)
+    cross = [to_numpy(t) for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
+    for t in range(length):
+        logits = run_step(runtime.step, target_np[:, t:t + 1], np.full((batch, 1), t, dtype=np.int64),
+                          state.source_mask, cross, buffers)  # (B, V)
+        rows = target_mask_np[:, t]  # rows whose target is still running at step t
+        compare("step_graph_logits", f"step graph logits (step {t})", logits[rows], full_logits[rows, t], LOGITS_ATOL)
+    running: SlotBatch[int] = SlotBatch(runtime)
+    running.add(sources, list(range(len(sources))), [max_new_tokens] * len(sources))
+    results: dict[int, Any] = {}
+    while len(running):
+        results.update(running.step())
+    for row, e in enumerate(expected_gen):
+        a = results[row]
+        if (e.tokens, e.finish_reason) != (a.tokens, a.finish_reason):
+            raise TokenMismatch(f"{compare.case}, step graph", row, (e.tokens, e.finish_reason),
+                                (a.tokens, a.finish_reason))
 
 
 def parity_sources(vocab_size: int, eos_id: int, lengths: tuple[int, ...] = (9, 3, 14, 6), seed: int = 0) -> list[list[int]]:

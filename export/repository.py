@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from export import graph_io, packed_weights
+from export.cached_step import STEP_DECODER_FILE, export_cached_step
 from export.manifest import Manifest, Variant, repository_files, write_manifest
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
 from export.parity import check_parity, parity_sources
@@ -34,6 +35,10 @@ TOKENIZER_FILE = "tokenizer.model"
 MAX_SIZE_MB = 60.0  # per model repository, all files (MiB, as `du -sm` counts)
 DROP_ORDER = ("fp16", "int8")  # variants given up first when the repository is too large
 PROVIDERS = {"fp32": [CUDA, CPU], "int8": [CPU], "fp16": [CUDA]}
+# Variants that get the decoder step graph (`export.cached_step`): the CPU's. Its cache buffers
+# are host memory written in place; fp16 runs on CUDA, where they would have to live on the
+# device (not written), so its running batch keeps the merged decoder.
+STEP_PRECISIONS = ("fp32", "int8")
 
 
 class RepositoryTooLarge(ValueError):
@@ -126,10 +131,12 @@ def _build(
     save_weights(model, staging, dtype=torch.bfloat16)
     shutil.copyfile(tokenizer_path, staging / TOKENIZER_FILE)
     graphs = export_graphs(model)
+    graphs[STEP_DECODER_FILE] = export_cached_step(model)  # last: the others' weights keep their offsets
     entries: dict[str, Variant] = {}
     for precision in variants:
         folder = "" if precision == "fp32" else f"{precision}/"
-        converted = {file: convert(graph, precision) for file, graph in graphs.items()}
+        converted = {file: convert(graph, precision) for file, graph in graphs.items()
+                     if file != STEP_DECODER_FILE or precision in STEP_PRECISIONS}
         # fp32 holds the bf16-rounded weights: stored packed at half the size
         written = save_graphs(staging / folder, converted, pack_bfloat16=precision == "fp32")
         packed = [f"{folder}{p.name}" for p in written if p.name.endswith(packed_weights.PACKED_SUFFIX)]
@@ -138,6 +145,7 @@ def _build(
             providers=PROVIDERS[precision], servable=precision == "fp32", quality=None,
             note="" if precision == "fp32" or data_dir is not None else "quality not measured (no --data-dir)",
             packed_weights=packed,
+            step_decoder=f"{folder}{STEP_DECODER_FILE}" if STEP_DECODER_FILE in converted else "",
         )
     manifest = Manifest(
         name=name, task=task, source_language=source_language, target_language=target_language,
@@ -214,4 +222,5 @@ def _exporter_info() -> dict[str, Any]:
         "onnxruntime": onnxruntime.__version__,
         "weights": "rounded to bfloat16: the graphs hold the numbers of checkpoint.safetensors",
         "decoder": "merged: one graph for the first step (past_len 0) and the steps with a cache",
+        "decoder_step": "continuous batching's step: GroupQueryAttention over each row's own cache, in place",
     }

@@ -23,7 +23,9 @@ for room for a whole group. With `max_join_age`, rows wait while the batch's old
 more than `join_age_limit` steps: every row's cache is as long as the oldest row's output, so a
 join into an old batch makes every step longer, and under load a shorter cache saves more than a
 fuller batch gains. The limit is `max_join_age` for a batch of `join_rows` rows and scales
-inversely with the rows, so a small batch (light load) still takes newcomers at once. The
+inversely with the rows, so a small batch (light load) still takes newcomers at once. It
+applies only to a running batch that pads (`pads_to_oldest`): on the step graph
+(`service.slot_batch.SlotBatch`) each row's cache is its own. The
 worker thread steps the running batch until something new arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
 running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
 between two steps of the running batch when they are the oldest queued rows.
@@ -73,6 +75,9 @@ GenerateFn = Callable[..., Sequence[Generated]]
 
 class RunningBatchLike(Protocol):
     """What continuous batching uses of `service.continuous.RunningBatch` (owners are rows)."""
+
+    # True when every row's cache is padded to the oldest row's (the join age limit applies)
+    pads_to_oldest: bool
 
     def __len__(self) -> int: ...
     @property
@@ -437,8 +442,9 @@ class Batcher:
         """Remove from the queue the greedy rows that fit in the running batch, oldest first,
         when they may join now (see the module's docstring); else none."""
         assert self._batch is not None
-        if self.limits.max_join_age and self._decoding and self._batch.oldest_age > join_age_limit(
-                self.limits.max_join_age, self.join_rows, len(self._decoding)):
+        limit = join_age_limit(self.limits.max_join_age, self.join_rows, len(self._decoding))
+        if (self.limits.max_join_age and self._batch.pads_to_oldest and self._decoding
+                and self._batch.oldest_age > limit):
             return []  # the newcomers' cache would be padded to the old row's length: wait
         room = self.limits.max_batch_size - len(self._decoding)
         longest = max((len(row.source) for row in self._decoding), default=0)

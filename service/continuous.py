@@ -56,6 +56,8 @@ class RunningBatch(Generic[Owner]):
     newcomers. That keeps the full-cache copies well under one per join.
     """
 
+    pads_to_oldest = True  # a newcomer's cache is padded to the oldest row's length
+
     def __init__(self, runtime: Runtime, compact_fraction: float = 0.25, padding_slack: float = 1.25,
                  trim_slack: int = 4, scores: bool = True) -> None:
         self.runtime = runtime
@@ -113,15 +115,7 @@ class RunningBatch(Generic[Owner]):
         """Encode `sources` (ids ending with EOS) and join them to the batch before the next step."""
         if not sources:
             return
-        if len(owners) != len(sources) or len(max_new_tokens) != len(sources):
-            raise ValueError("one owner and one max_new_tokens per source")
-        if any(not source for source in sources) or min(max_new_tokens) < 1:
-            raise ValueError("every source needs its EOS and max_new_tokens >= 1")
-        hooks = hooks if hooks is not None else [None] * len(sources)
-        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-        groups = _length_groups([len(sources[i]) for i in order], self.padding_slack)
-        states = [self.runtime.encode(self.runtime.pad([sources[order[i]] for i in group])) for group in groups]
-        members = [_Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+        states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks, self.padding_slack)
         if not self._fill_dead_slots(states, members):
             self._rebuild(states)
             self._members += members
@@ -137,29 +131,9 @@ class RunningBatch(Generic[Owner]):
         out = self.runtime.decode(self._last[:, None], state, cache,
                                   positions=self._positions[:, None], target_mask=target_mask)
         best, chosen = greedy_choice(out.logits[:, -1], self.scores)  # (B,) each
-        finished: list[tuple[Owner, GenerationResult]] = []
-        eos = self.runtime.eos_id
-        for i, member in enumerate(self._members):
-            if member is None:
-                continue
-            token = int(best[i])
-            if chosen is not None:
-                member.score += float(chosen[i])
-            reason = None
-            if token == eos:
-                reason = "eos"
-            else:
-                member.tokens.append(token)
-                if member.hooks is not None and member.hooks.on_token is not None:
-                    member.hooks.on_token(token)
-                if len(member.tokens) >= member.max_new_tokens:
-                    reason = "length"
-                elif member.hooks is not None and member.hooks.cancelled:
-                    reason = "cancelled"
-            if reason is not None:
-                score = member.score if self.scores else None
-                finished.append((member.owner, GenerationResult(member.tokens, reason, score)))
-                self._members[i] = None
+        finished = advance(self._members, best, chosen, self.runtime.eos_id, self.scores)
+        for i, _ in finished:
+            self._members[i] = None
         self._keys = [to_numpy(k) for k in out.cache.keys]
         self._values = [to_numpy(v) for v in out.cache.values]
         self._target_mask = target_mask
@@ -170,7 +144,7 @@ class RunningBatch(Generic[Owner]):
             self._members = []
         elif self.slots - live > self.compact_fraction * self.slots:
             self._rebuild([])
-        return finished
+        return [result for _, result in finished]
 
     def cancel_all(self) -> list[Owner]:
         """Drop every row (the batch failed); returns their owners."""
@@ -271,6 +245,51 @@ class RunningBatch(Generic[Owner]):
         self._source_mask, self._target_mask = source_mask, target_mask
         self._positions = np.concatenate([self._positions[keep], np.zeros(count, dtype=np.int64)])
         self._last = np.concatenate([self._last[keep], np.full(count, self.runtime.bos_id, dtype=np.int64)])
+
+
+def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Sequence[Owner],
+                     max_new_tokens: Sequence[int], hooks: Sequence[RowHooks | None] | None,
+                     padding_slack: float) -> tuple[list[EncoderState], list[_Member[Owner]]]:
+    """Check the newcomers, sort them by source length and encode them in groups of similar
+    length (`_length_groups`); returns each group's encoder state and the members in that order."""
+    if len(owners) != len(sources) or len(max_new_tokens) != len(sources):
+        raise ValueError("one owner and one max_new_tokens per source")
+    if any(not source for source in sources) or min(max_new_tokens) < 1:
+        raise ValueError("every source needs its EOS and max_new_tokens >= 1")
+    hooks = hooks if hooks is not None else [None] * len(sources)
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    groups = _length_groups([len(sources[i]) for i in order], padding_slack)
+    states = [runtime.encode(runtime.pad([sources[order[i]] for i in group])) for group in groups]
+    return states, [_Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+
+
+def advance(members: Sequence[_Member[Owner] | None], best: np.ndarray, chosen: np.ndarray | None, eos: int,
+            scores: bool) -> list[tuple[int, tuple[Owner, GenerationResult]]]:
+    """Give each live row (None: a dead slot) its token of this step, `best[i]` (and its
+    log-probability `chosen[i]`, when scored), by the rules of `service.generation.greedy`;
+    returns the rows that finished, with their index."""
+    finished: list[tuple[int, tuple[Owner, GenerationResult]]] = []
+    for i, member in enumerate(members):
+        if member is None:
+            continue
+        token = int(best[i])
+        if chosen is not None:
+            member.score += float(chosen[i])
+        reason = None
+        if token == eos:
+            reason = "eos"
+        else:
+            member.tokens.append(token)
+            if member.hooks is not None and member.hooks.on_token is not None:
+                member.hooks.on_token(token)
+            if len(member.tokens) >= member.max_new_tokens:
+                reason = "length"
+            elif member.hooks is not None and member.hooks.cancelled:
+                reason = "cancelled"
+        if reason is not None:
+            score = member.score if scores else None
+            finished.append((i, (member.owner, GenerationResult(member.tokens, reason, score))))
+    return finished
 
 
 def _length_groups(lengths: list[int], slack: float) -> list[list[int]]:

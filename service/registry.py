@@ -91,10 +91,15 @@ def onnx_generator(settings: Settings) -> GeneratorFactory:
 
 
 def onnx_running_batch(settings: Settings) -> RunningBatchFactory:
-    """`service.continuous.RunningBatch` over each runtime, scored as in `onnx_generator`."""
+    """Continuous batching over each runtime, scored as in `onnx_generator`: on its step graph
+    (`service.slot_batch.SlotBatch`) when it has one, else on the merged decoder
+    (`service.continuous.RunningBatch`)."""
     from service.continuous import RunningBatch
+    from service.slot_batch import SlotBatch
 
     def bind(runtime: Runtime) -> Callable[[], RunningBatchLike]:
+        if getattr(runtime, "step", None) is not None:
+            return functools.partial(SlotBatch, runtime, scores=settings.greedy_scores)  # type: ignore[arg-type]
         return functools.partial(RunningBatch, runtime, scores=settings.greedy_scores)  # type: ignore[arg-type]
 
     return bind

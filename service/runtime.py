@@ -34,6 +34,7 @@ import onnxruntime as ort
 from export import graph_io, packed_weights
 from export.manifest import Manifest, ManifestError, Variant, read_manifest, verify_files
 from model.tokenizer import Tokenizer
+from service.cached_step import CacheBuffers, run_step
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +156,9 @@ class ModelRuntime:
     device: str = "cpu"  # where IO binding keeps them: "cuda" | "cpu"
     device_id: int = 0
     gather: Gatherer | None = field(default=None, repr=False)  # row selection on the device (IO binding)
+    # the decoder step over each row's own cache (`export.cached_step`), for continuous batching;
+    # None when the variant has none or the provider is not the CPU (its buffers are host memory)
+    step: ort.InferenceSession | None = field(default=None, repr=False)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -200,8 +204,8 @@ class ModelRuntime:
             if chosen is None:
                 logger.info("%s: no servable variant for %s", manifest.name, provider)
                 continue
-            encoder, decoder = _sessions(directory, manifest.variants[chosen], provider, threads, spinning,
-                                         memory_arena, profile_prefix, fold_dequantize=chosen == "int8")
+            encoder, decoder, step = _sessions(directory, manifest.variants[chosen], provider, threads, spinning,
+                                               memory_arena, profile_prefix, fold_dequantize=chosen == "int8")
             if encoder.get_providers()[0] != provider:  # e.g. CUDA listed but its libraries missing
                 logger.warning("%s: %s did not start, trying the next provider", manifest.name, provider)
                 continue
@@ -209,7 +213,7 @@ class ModelRuntime:
             device, device_id = _device(decoder, provider)
             gather = RowGather(provider, device, device_id, threads) if bind else None
             runtime = cls(manifest.name, manifest.task, manifest, tokenizer, provider, chosen, encoder, decoder,
-                          bind, device, device_id, gather)
+                          bind, device, device_id, gather, step)
             runtime._check_cache_dtype()
             logger.info("loaded %s (%s, variant %s, %s, %s) in %.2fs", manifest.name, manifest.task, chosen,
                         provider, f"IO binding on {device}" if bind else "numpy I/O",
@@ -390,11 +394,18 @@ class ModelRuntime:
         return state.select(np.asarray(rows, dtype=np.int64))
 
     def warmup(self) -> None:
-        """One encoder call and two decoder steps on a 2-row batch (allocations, first-run costs)."""
+        """One encoder call and two decoder steps on a 2-row batch (allocations, first-run
+        costs), and two steps of the step graph when there is one."""
         source = self.pad([[self.unk_id, self.eos_id], [self.eos_id]])
         state = self.encode(source, need_attention=True)
         step = self.decode(np.full((2, 1), self.bos_id, dtype=np.int64), state, need_attention=True)
         self.decode(np.full((2, 1), self.eos_id, dtype=np.int64), state, step.cache)
+        if self.step is not None:
+            buffers = CacheBuffers(self.n_decoder_layers, 2, self.n_heads, 4, self.head_dim)
+            cross = [to_numpy(t) for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
+            for position in (0, 1):
+                run_step(self.step, np.full((2, 1), self.bos_id, dtype=np.int64),
+                         np.full((2, 1), position, dtype=np.int64), state.source_mask, cross, buffers)
 
 
 def _load_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer:
@@ -427,7 +438,9 @@ def _choose_variant(manifest: Manifest, provider: str, forced: str | None) -> st
 
 def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
               spinning: bool = True, memory_arena: bool = True, profile_prefix: str | None = None,
-              fold_dequantize: bool = False) -> tuple[ort.InferenceSession, ...]:
+              fold_dequantize: bool = False) -> tuple[ort.InferenceSession, ort.InferenceSession,
+                                                      ort.InferenceSession | None]:
+    """Encoder, decoder and (on the CPU, when the variant has one) step-graph sessions."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
@@ -452,13 +465,16 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
     if buffers:  # both graphs read them by their unpacked name, relative to the graph's folder
         names = [PurePosixPath(path).name.removesuffix(packed_weights.PACKED_SUFFIX) for path in variant.packed_weights]
         options.add_external_initializers_from_files_in_memory(names, buffers, [b.nbytes for b in buffers])
+    paths = [variant.encoder, variant.decoder]
+    if variant.step_decoder and provider == CPU:
+        paths.append(variant.step_decoder)
     sessions = []
-    for path in (variant.encoder, variant.decoder):
+    for path in paths:
         try:
             sessions.append(ort.InferenceSession(str(directory / path), options, providers=providers))
         except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph/... types
             raise ModelLoadError(f"{directory / path}: onnxruntime cannot load it: {error}") from error
-    return tuple(sessions)
+    return sessions[0], sessions[1], sessions[2] if len(sessions) > 2 else None
 
 
 def _device(session: ort.InferenceSession, provider: str) -> tuple[str, int]:

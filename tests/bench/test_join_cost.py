@@ -1,5 +1,5 @@
-"""bench.join_cost on the tiny model: both join modes replay the same schedule, and filling
-dead slots in place copies the batch less often."""
+"""bench.join_cost on the tiny model: every mode replays the same schedule, filling dead slots
+in place copies the batch less often, and the step graph's batch copies least."""
 
 from __future__ import annotations
 
@@ -15,9 +15,13 @@ def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path
     assert main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data), "--out", str(out),
                  "--sentences", "60", "--rows", "12", "--group", "2", "--repeats", "1"]) == 0
     modes = json.loads(out.read_text(encoding="utf-8"))["modes"]
-    in_place, copying = modes["dead slots filled in place"]["median"], modes["every join copies the batch"]["median"]
+    in_place = modes["merged decoder, dead slots filled in place"]["median"]
+    copying = modes["merged decoder, every join copies the batch"]["median"]
     assert in_place["steps"] > 0 and copying["steps"] > 0
     assert in_place["steps"] == copying["steps"]  # the same schedule: the same tokens
     assert 0 < in_place["copies"] < copying["copies"]  # some joins still copy (a longer source, trimming)
-    scored = modes["dead slots filled in place, greedy scores (a log-softmax per step)"]["median"]
+    scored = modes["merged decoder, dead slots filled in place, greedy scores (a log-softmax per step)"]["median"]
     assert (scored["steps"], scored["copies"]) == (in_place["steps"], in_place["copies"])  # the same tokens
+    slots = modes["step graph, each row in its own slot"]["median"]
+    assert slots["steps"] == in_place["steps"]  # the same tokens (fp32) on the step graph
+    assert slots["copies"] < in_place["copies"]  # grown or shrunk a few times, never per join

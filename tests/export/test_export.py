@@ -45,6 +45,7 @@ def test_repository_layout_and_manifest(tiny_model_repository: Path) -> None:
     assert set(manifest.files) == {
         "checkpoint.safetensors", "config.json", "tokenizer.model", "encoder.onnx", "decoder.onnx",
         "weights.bin.bf16", "int8/encoder.onnx", "int8/decoder.onnx", "int8/weights.bin",
+        "decoder_step.onnx", "int8/decoder_step.onnx",
     }
     assert (manifest.task, manifest.opset, manifest.source_suffix) == ("translate", 18, "eos")
     assert manifest.special_ids == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
@@ -52,14 +53,17 @@ def test_repository_layout_and_manifest(tiny_model_repository: Path) -> None:
     assert manifest.variants["fp32"].servable and manifest.variants["fp32"].quality == manifest.quality
     assert manifest.variants["fp32"].packed_weights == ["weights.bin.bf16"]  # bf16 numbers: half the bytes
     assert manifest.variants["int8"].packed_weights == []
+    assert (manifest.variants["fp32"].step_decoder, manifest.variants["int8"].step_decoder) == (
+        "decoder_step.onnx", "int8/decoder_step.onnx")
     assert manifest.quality is not None and manifest.quality["chrf"] > 90  # it reverses (1-2 word lines: BLEU 0)
     int8 = manifest.variants["int8"]
     assert int8.quality is not None and int8.servable == within_bound("translate", manifest.quality, int8.quality)
     parity = manifest.exporter["parity"]
     assert parity["max_abs_diff"]["logits"] <= LOGITS_ATOL and parity["greedy_rows_identical"] >= 2
+    assert parity["max_abs_diff"]["step_graph_logits"] <= LOGITS_ATOL  # the step graph was checked too
 
 
-@pytest.mark.parametrize("graph", ["encoder", "decoder"])
+@pytest.mark.parametrize("graph", ["encoder", "decoder", "decoder_step"])
 def test_graph_io_names_and_named_dynamic_axes(tiny_model_repository: Path, graph: str) -> None:
     manifest = read_manifest(tiny_model_repository)
     proto = onnx.load_model(str(tiny_model_repository / f"{graph}.onnx"), load_external_data=False)
@@ -70,7 +74,7 @@ def test_graph_io_names_and_named_dynamic_axes(tiny_model_repository: Path, grap
         for value, entry in zip(values, expected, strict=True):
             dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
             dynamic = [d for d in dims if isinstance(d, str)]
-            assert dynamic == [a for a in entry["axes"] if a not in ("heads", "head_dim", "vocab")], value.name
+            assert dynamic == [a for a in entry["axes"] if a not in ("heads", "head_dim", "vocab", "one")], value.name
     assert [e["name"] for e in manifest.io["decoder"]["outputs"]] == graph_io.decoder_outputs(2)
 
 

@@ -133,6 +133,7 @@ class FakeRunningBatch:
     steps: list[list[Any]] = field(default_factory=list)  # the owners decoding at each step
     threads: set[str] = field(default_factory=set)
     members: list[_Member] = field(default_factory=list)
+    pads_to_oldest: bool = True
 
     def __len__(self) -> int:
         return len(self.members)

@@ -14,6 +14,7 @@ from service.continuous import RunningBatch
 from service.errors import InternalError
 from service.generation import generate
 from service.runtime import ModelRuntime
+from service.slot_batch import SlotBatch
 from tests.service.fakes import EOS, UNK, FakeModel, FakeRunningBatch, reverse
 
 pytestmark = pytest.mark.anyio
@@ -147,11 +148,12 @@ async def test_close_lets_the_running_batch_finish() -> None:
     assert await task == [reverse(source(20), 100)]
 
 
+@pytest.mark.parametrize("running_batch", [RunningBatch, SlotBatch])
 async def test_onnx_rows_arriving_at_random_times_get_their_solo_tokens(tiny_runtime: ModelRuntime,
-                                                                         trained_tiny) -> None:
-    """The real running batch behind the batcher: each row decodes what it decodes alone."""
-    batcher = Batcher("c-onnx", lambda *a, **k: generate(tiny_runtime, *a, **k), BatchLimits(max_batch_size=5),
-                      lambda: RunningBatch(tiny_runtime))
+                                                                         trained_tiny, running_batch) -> None:
+    """The real running batches behind the batcher: each row decodes what it decodes alone."""
+    batcher = Batcher("c-onnx", lambda *a, **k: generate(tiny_runtime, *a, **k),
+                      BatchLimits(max_batch_size=5, max_join_age=1), lambda: running_batch(tiny_runtime))
     batcher.start()
     sources = [s + [EOS] for s in trained_tiny.valid.sources[:16]]
 
@@ -220,6 +222,21 @@ async def test_rows_wait_while_the_running_batch_is_older_than_max_join_age() ->
     await batcher.submit([source(3, start=40)], 1, 100)
     assert not first.done() and [step for step in running.steps if len(step) == 2]
     await first
+    await batcher.close(1)
+
+
+async def test_the_join_age_limit_does_not_hold_back_a_batch_that_does_not_pad() -> None:
+    """On the step graph each row's cache is its own (`pads_to_oldest` False): a newcomer joins
+    an old batch at once."""
+    running = FakeRunningBatch(step_delay_s=0.004, pads_to_oldest=False)
+    batcher = make("c-age-free", running, max_join_age=5, max_join_wait_s=0.0, max_batch_size=4)
+    old = asyncio.ensure_future(batcher.submit([source(30)], 1, 100))
+    await asyncio.sleep(0.1)  # the old row has run more than 5 steps
+    young = await batcher.submit([source(3, start=40)], 1, 100)
+    assert not old.done()  # the young row did not wait for it
+    assert young == [reverse(source(3, start=40), 100)]
+    assert [step for step in running.steps if len(step) == 2]  # decoded side by side
+    await old
     await batcher.close(1)
 
 

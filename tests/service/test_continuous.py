@@ -1,5 +1,7 @@
 """Continuous batching: rows that join a running batch between decoder steps decode exactly what
-they decode alone, finished rows leave at once, and the cache stays as short as its oldest row."""
+they decode alone, finished rows leave at once, and the cache stays as short as its oldest row.
+The tests of the contract run on both running batches: over the merged decoder (`RunningBatch`)
+and over the step graph (`SlotBatch`, more in test_slot_batch.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,14 @@ from service.batcher import RowHooks
 from service.continuous import RunningBatch
 from service.generation import GenerationResult, generate
 from service.runtime import ModelRuntime
+from service.slot_batch import SlotBatch
+
+BATCHES = {"merged decoder": RunningBatch, "step graph": SlotBatch}
+
+
+@pytest.fixture(params=list(BATCHES))
+def make_batch(request: pytest.FixtureRequest):  # -> RunningBatch | SlotBatch class
+    return BATCHES[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +48,7 @@ def _drain(batch: RunningBatch, results: dict, joins: dict[int, list[tuple[int, 
     return steps
 
 
-def test_staggered_joins_decode_what_each_row_decodes_alone(tiny_runtime: ModelRuntime, sources) -> None:
+def test_staggered_joins_decode_what_each_row_decodes_alone(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
     rng = np.random.default_rng(0)
     joins: dict[int, list[tuple[int, list[int], int]]] = {}
     limits = {}
@@ -46,7 +56,7 @@ def test_staggered_joins_decode_what_each_row_decodes_alone(tiny_runtime: ModelR
         limits[owner] = int(rng.integers(2, 14))
         joins.setdefault(int(rng.integers(0, 12)), []).append((owner, source, limits[owner]))
     results: dict[int, GenerationResult] = {}
-    _drain(RunningBatch(tiny_runtime), results, joins)
+    _drain(make_batch(tiny_runtime), results, joins)
     assert sorted(results) == list(range(len(sources)))
     for owner, source in enumerate(sources):
         expected = _alone(tiny_runtime, source, limits[owner])
@@ -54,21 +64,21 @@ def test_staggered_joins_decode_what_each_row_decodes_alone(tiny_runtime: ModelR
         assert results[owner].score == pytest.approx(expected.score, abs=1e-4)
 
 
-def test_without_scores_the_batch_decodes_the_same_tokens(tiny_runtime: ModelRuntime, sources) -> None:
+def test_without_scores_the_batch_decodes_the_same_tokens(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
     """The service's running batch skips the log-softmax: same tokens and reasons, no score."""
     joins = {step: [(owner, sources[owner], 12)] for step, owner in enumerate(range(0, len(sources), 2))}
     results: dict[int, GenerationResult] = {}
-    _drain(RunningBatch(tiny_runtime, scores=False), results, joins)
+    _drain(make_batch(tiny_runtime, scores=False), results, joins)
     for owner, result in results.items():
         expected = _alone(tiny_runtime, sources[owner], 12)
         assert (result.tokens, result.finish_reason, result.score) == (expected.tokens, expected.finish_reason, None)
 
 
-def test_a_row_joining_a_long_running_batch_is_not_disturbed(tiny_runtime: ModelRuntime, sources) -> None:
+def test_a_row_joining_a_long_running_batch_is_not_disturbed(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
     """A short source joins late next to a long one that runs to its token limit, and the reverse."""
     long_source, short_source = sources[-2], sources[0]
     results: dict[int, GenerationResult] = {}
-    _drain(RunningBatch(tiny_runtime), results, {0: [(0, long_source, 20)], 7: [(1, short_source, 20)],
+    _drain(make_batch(tiny_runtime), results, {0: [(0, long_source, 20)], 7: [(1, short_source, 20)],
                                                  9: [(2, long_source, 5)]})
     for owner, (source, limit) in enumerate([(long_source, 20), (short_source, 20), (long_source, 5)]):
         expected = _alone(tiny_runtime, source, limit)
@@ -115,8 +125,8 @@ def test_a_longer_source_or_columns_to_trim_rebuild_the_batch(tiny_runtime: Mode
     assert batch.source_len == len(max(sources, key=len))
 
 
-def test_token_limit_one_and_eos_first(tiny_runtime: ModelRuntime, sources) -> None:
-    batch: RunningBatch[int] = RunningBatch(tiny_runtime)
+def test_token_limit_one_and_eos_first(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
+    batch = make_batch(tiny_runtime)
     batch.add(sources[:3], [0, 1, 2], [1, 1, 1])
     finished = dict(batch.step())
     assert len(batch) == 0 and sorted(finished) == [0, 1, 2]
@@ -125,11 +135,11 @@ def test_token_limit_one_and_eos_first(tiny_runtime: ModelRuntime, sources) -> N
         assert finished[owner].tokens == _alone(tiny_runtime, sources[owner], 1).tokens
 
 
-def test_hooks_stream_tokens_and_cancel_a_row(tiny_runtime: ModelRuntime, sources) -> None:
+def test_hooks_stream_tokens_and_cancel_a_row(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
     seen: list[int] = []
     streamed = RowHooks(on_token=seen.append)
     cancelled = RowHooks()
-    batch: RunningBatch[str] = RunningBatch(tiny_runtime)
+    batch = make_batch(tiny_runtime)
     batch.add([sources[-1], sources[-2]], ["streamed", "cancelled"], [6, 30], [streamed, cancelled])
     cancelled.cancel.set()
     results = dict(batch.step())
@@ -139,15 +149,15 @@ def test_hooks_stream_tokens_and_cancel_a_row(tiny_runtime: ModelRuntime, source
     assert seen == results["streamed"].tokens == _alone(tiny_runtime, sources[-1], 6).tokens
 
 
-def test_cancel_all_empties_the_batch(tiny_runtime: ModelRuntime, sources) -> None:
-    batch: RunningBatch[int] = RunningBatch(tiny_runtime)
+def test_cancel_all_empties_the_batch(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
+    batch = make_batch(tiny_runtime)
     batch.add(sources[:4], [0, 1, 2, 3], [9] * 4)
     batch.step()
     assert sorted(batch.cancel_all()) == [0, 1, 2, 3] and len(batch) == 0 and batch.step() == []
 
 
-def test_bad_rows_are_refused(tiny_runtime: ModelRuntime, sources) -> None:
-    batch: RunningBatch[int] = RunningBatch(tiny_runtime)
+def test_bad_rows_are_refused(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
+    batch = make_batch(tiny_runtime)
     with pytest.raises(ValueError):
         batch.add([[]], [0], [4])
     with pytest.raises(ValueError):

@@ -184,8 +184,8 @@ def test_int8_sessions_fold_constant_dequantize_without_changing_tokens(tiny_mod
     from service import runtime as runtime_module
 
     folded = ModelRuntime.load(tiny_model_repository, providers=["CPUExecutionProvider"], variant="int8")
-    encoder, decoder = runtime_module._sessions(tiny_model_repository, folded.manifest.variants["int8"],
-                                                "CPUExecutionProvider", 0, fold_dequantize=False)
+    encoder, decoder, _ = runtime_module._sessions(tiny_model_repository, folded.manifest.variants["int8"],
+                                                   "CPUExecutionProvider", 0, fold_dequantize=False)
     plain = dataclasses.replace(folded, encoder=encoder, decoder=decoder)
     assert [r.tokens for r in generate(folded, sources, 1, 12)] == [r.tokens for r in generate(plain, sources, 1, 12)]
 
