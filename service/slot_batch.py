@@ -10,9 +10,10 @@ the oldest row's, and a step costs what its rows' own lengths cost. The batcher'
 limit (`max_join_age`) exists for the padded cache and does not apply here (`pads_to_oldest`).
 
 The live rows stay dense in slots 0..n-1: when rows finish, the last live rows move into their
-holes (a copy of those rows' own columns). Slots, cache columns and the cross keys/values'
-source width grow by doubling (one copy of the live rows each time) and shrink again when at
-most a quarter of them (a half, for the source width) is in use. Newcomers' cross keys/values
+holes (a copy of those rows' own columns). Slots grow by doubling, cache columns to the next
+multiple of 32, the cross keys/values' source width to the newcomers' (one copy of the live
+rows each time); they shrink again when at most a quarter of the slots, or half of the columns
+or of the source width, is in use. Newcomers' cross keys/values
 are padded to the batch's source width; the padding is masked, as in `RunningBatch`.
 
 The same caveat as `RunningBatch`: with int8 graphs a row's activations are quantized with the
@@ -46,12 +47,22 @@ class StepRuntime(Runtime, Protocol):
     def head_dim(self) -> int: ...
 
 
+COLUMN_QUANTUM = 32  # cache columns grow to the next multiple of this, not by doubling
+
+
 def _doubled(size: int, needed: int) -> int:
     """`size` doubled until it holds `needed`."""
     size = max(size, 1)
     while size < needed:
         size *= 2
     return size
+
+
+def _columns(needed: int) -> int:
+    """Cache columns for `needed` positions: the next multiple of `COLUMN_QUANTUM`. Every slot
+    gets the longest row's columns, so doubling would give every row up to twice the cache
+    one long row needs; a few more copies as that row grows cost less."""
+    return -(-needed // COLUMN_QUANTUM) * COLUMN_QUANTUM
 
 
 class SlotBatch(Generic[Owner]):
@@ -143,7 +154,7 @@ class SlotBatch(Generic[Owner]):
             return []
         needed = int(self._positions[:live].max()) + 1  # the columns this step writes up to
         if needed > self.capacity:
-            self._resize(self.slots, _doubled(self.capacity, needed), self.source_len)
+            self._resize(self.slots, _columns(needed), self.source_len)
         assert self.runtime.step is not None
         logits = run_step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
                           self._source_mask[:live], [c[:live] for c in self._cross], self._buffers)  # (n, V)
@@ -178,7 +189,7 @@ class SlotBatch(Generic[Owner]):
         self._shrink()
 
     def _shrink(self) -> None:
-        """Smaller arrays when at most a quarter of the slots or columns, or half the source
+        """Smaller arrays when at most a quarter of the slots, or half the columns or the source
         width, is in use (never below the initial sizes)."""
         live = len(self._members)
         rows, capacity = self._initial
@@ -186,7 +197,7 @@ class SlotBatch(Generic[Owner]):
         used_source = np.flatnonzero(self._source_mask[:live].any(axis=0))
         width = int(used_source[-1]) + 1 if used_source.size else 0
         new_rows = self.slots if 4 * live > self.slots else max(rows, _doubled(rows, 2 * live))
-        new_capacity = self.capacity if 4 * used_columns > self.capacity else max(capacity, _doubled(capacity, 2 * used_columns))
+        new_capacity = self.capacity if 2 * used_columns > self.capacity else max(capacity, _columns(used_columns))
         new_width = self.source_len if 2 * width > self.source_len else width
         if (new_rows, new_capacity, new_width) != (self.slots, self.capacity, self.source_len):
             self._resize(new_rows, new_capacity, new_width)

@@ -40,7 +40,7 @@ def test_slots_rows_and_source_width_grow_by_doubling_and_keep_every_row(tiny_ru
     width = batch.source_len
     for _ in range(3):  # 3 steps: the cache outgrows 2 columns
         batch.step()
-    assert batch.capacity >= 4
+    assert batch.capacity == 32  # the next multiple of 32 columns, not a doubling
     later = short[-5:]  # five longer sources: more rows than slots, a wider source
     batch.add([sources[i] for i in later], later, [14] * 5)
     assert batch.slots == 8 and batch.source_len > width
