@@ -1,4 +1,10 @@
-"""Continuous (iteration-level) batching of greedy decoding: rows join between decoder steps.
+"""Continuous (iteration-level) batching of greedy decoding on the merged decoder: rows join
+between decoder steps.
+
+The service uses it for a model without a step graph (`decoder_step.onnx`); with one it uses
+`service.slot_batch.SlotBatch`, which keeps each row's cache in its own slot and needs none of
+the padding, trimming and copying below. The helpers both share (`encode_newcomers`,
+`advance`) live here.
 
 A `RunningBatch` holds the rows now decoding. Between two decoder steps, new rows join (`add`:
 one encoder call for the newcomers; their cross keys/values are padded to the batch's source
