@@ -1,7 +1,8 @@
 """The FastAPI application: `create_app(settings)` wires settings, models, routes and metrics.
 
 The lifespan starts loading the models in the background (the app answers `/health/live` at
-once and turns ready when they are loaded) and, at shutdown, drains the batchers. Two ASGI
+once and turns ready when they are loaded; one of several `--workers` processes instead waits
+for them before it accepts connections) and, at shutdown, drains the batchers. Two ASGI
 middlewares sit around the routes: one records `requests_total` and
 `request_duration_seconds` by route template (never the raw path), one refuses bodies over
 `max_body_bytes` with a 413. Routers declare full paths (no prefixes), so the matched route's
@@ -79,6 +80,11 @@ def create_app(
         registry.start()
         if settings.fail_on_model_error:
             await _refuse_failed_models(registry)
+        elif settings.workers > 1:
+            # One of several processes on a shared socket: uvicorn accepts connections only after
+            # the lifespan's startup, so a restarted worker takes none (and answers no 503) before
+            # its models are loaded, while the others serve.
+            await registry.wait_settled()
         try:
             yield
         finally:

@@ -242,6 +242,25 @@ async def test_not_ready_while_loading_then_ready(make_app: AppFactory) -> None:
         assert (await client.post("/v1/translate", json={"text": "a"})).status_code == 200
 
 
+async def test_one_of_several_worker_processes_starts_only_once_its_models_are_loaded(make_app: AppFactory) -> None:
+    """With `workers` > 1 the lifespan's startup waits for the models (uvicorn accepts on the
+    shared socket only after it): a restarted worker never answers 503 while the others serve."""
+    loader = FakeLoader()
+    loader.release.clear()
+    entered = asyncio.Event()
+
+    async def serve() -> int:
+        async with serving(make_app(loader=loader, workers=2), wait_ready=False) as client:
+            entered.set()
+            return (await client.get("/health/ready")).status_code
+
+    task = asyncio.ensure_future(serve())
+    await asyncio.sleep(0.3)
+    assert not entered.is_set()  # still in the startup: no request could reach it
+    loader.release.set()
+    assert await asyncio.wait_for(task, 10) == 200  # ready at the first request
+
+
 async def test_a_model_that_fails_to_load_leaves_the_server_live_not_ready(
     make_app: AppFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
