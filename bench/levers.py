@@ -50,6 +50,8 @@ VARIANTS: dict[str, list[str]] = {
     "request-level (dynamic) batching": ["--no-continuous-batching"],
     "request-level batching, two batch workers": ["--no-continuous-batching", "--batch-workers", "2"],
     "continuous, rows join at once (no groups)": ["--max-join-wait-ms", "0"],
+    "continuous, a group waits at most 30 ms": ["--max-join-wait-ms", "30"],
+    "continuous, a group waits at most 300 ms": ["--max-join-wait-ms", "300"],
     "continuous, rows join a batch of any age": ["--max-join-age", "0"],
     "continuous, max_batch_size 32": ["--max-batch-size", "32"],
     "onnxruntime threads spin between calls": ["--spinning"],
