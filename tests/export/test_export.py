@@ -95,6 +95,19 @@ def test_a_different_model_fails_parity_with_a_typed_error(tiny_runtime: ModelRu
     assert isinstance(caught.value, ParityError) and caught.value.max_abs_diff > ATTENTION_ATOL
 
 
+def test_a_step_graph_of_another_model_fails_parity(tiny_repository_model: Transformer, tiny_runtime: ModelRuntime,
+                                                    random_tiny: Transformer) -> None:
+    """The encoder and merged decoder agree with PyTorch; the step graph does not: caught."""
+    import dataclasses
+
+    from export.cached_step import export_cached_step
+
+    other = ort.InferenceSession(export_cached_step(random_tiny).SerializeToString(), providers=[CPU])
+    broken = dataclasses.replace(tiny_runtime, step=other)
+    with pytest.raises(OutputMismatch, match=r"step graph logits \(step 0\)"):
+        check_parity(tiny_repository_model, broken, BATCHES["batch 5, mixed lengths"])
+
+
 def test_attention_output_shapes(tiny_runtime: ModelRuntime) -> None:
     sources = BATCHES["batch 5, mixed lengths"][:3]  # lengths 4, 2, 9
     state = tiny_runtime.encode(tiny_runtime.pad(sources), need_attention=True)
