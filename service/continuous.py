@@ -42,8 +42,8 @@ Owner = TypeVar("Owner")
 
 
 @dataclass(eq=False)
-class _Member(Generic[Owner]):
-    """One row of the running batch and what it has decoded so far."""
+class Member(Generic[Owner]):
+    """One row of a running batch (`RunningBatch`, `SlotBatch`) and what it has decoded so far."""
 
     owner: Owner
     max_new_tokens: int
@@ -71,7 +71,7 @@ class RunningBatch(Generic[Owner]):
         self.compact_fraction = compact_fraction
         self.trim_slack = trim_slack  # newcomers fill dead slots only while at most this many cache columns are unused
         self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
-        self._members: list[_Member[Owner] | None] = []  # None: a dead slot
+        self._members: list[Member[Owner] | None] = []  # None: a dead slot
         self._source_mask = np.zeros((0, 0), dtype=bool)  # (B, S) True on real source tokens
         self._cross_keys: list[np.ndarray] = []  # per decoder layer (B, h, S, d)
         self._cross_values: list[np.ndarray] = []
@@ -158,7 +158,7 @@ class RunningBatch(Generic[Owner]):
         self._members = []
         return owners
 
-    def _fill_dead_slots(self, newcomers: list[EncoderState], members: list[_Member[Owner]]) -> bool:
+    def _fill_dead_slots(self, newcomers: list[EncoderState], members: list[Member[Owner]]) -> bool:
         """Put the newcomers into dead slots in place, without copying the batch, when there
         are enough, at most `trim_slack` cache columns are unused and no newcomer's source is
         longer than the batch's; False if not (then `_rebuild` does it). A slot's old cache positions are masked for its newcomer, as the
@@ -255,7 +255,7 @@ class RunningBatch(Generic[Owner]):
 
 def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Sequence[Owner],
                      max_new_tokens: Sequence[int], hooks: Sequence[RowHooks | None] | None,
-                     padding_slack: float) -> tuple[list[EncoderState], list[_Member[Owner]]]:
+                     padding_slack: float) -> tuple[list[EncoderState], list[Member[Owner]]]:
     """Check the newcomers, sort them by source length and encode them in groups of similar
     length (`_length_groups`); returns each group's encoder state and the members in that order."""
     if len(owners) != len(sources) or len(max_new_tokens) != len(sources):
@@ -266,10 +266,10 @@ def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Seq
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     groups = _length_groups([len(sources[i]) for i in order], padding_slack)
     states = [runtime.encode(runtime.pad([sources[order[i]] for i in group])) for group in groups]
-    return states, [_Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+    return states, [Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
 
 
-def advance(members: Sequence[_Member[Owner] | None], best: np.ndarray, chosen: np.ndarray | None, eos: int,
+def advance(members: Sequence[Member[Owner] | None], best: np.ndarray, chosen: np.ndarray | None, eos: int,
             scores: bool) -> list[tuple[int, tuple[Owner, GenerationResult]]]:
     """Give each live row (None: a dead slot) its token of this step, `best[i]` (and its
     log-probability `chosen[i]`, when scored), by the rules of `service.generation.greedy`;

@@ -29,7 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.cached_step import CacheBuffers, run_step
-from service.continuous import Owner, _Member, advance, encode_newcomers
+from service.continuous import Member, Owner, advance, encode_newcomers
 from service.generation import GenerationResult, RowHooks, Runtime, greedy_choice
 from service.runtime import to_numpy
 
@@ -78,7 +78,7 @@ class SlotBatch(Generic[Owner]):
         self.scores = scores  # results carry their summed log-probability (else None)
         self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
         self._initial = (rows, capacity)
-        self._members: list[_Member[Owner]] = []  # live rows: slot i holds self._members[i]
+        self._members: list[Member[Owner]] = []  # live rows: slot i holds self._members[i]
         heads, head_dim = runtime.n_heads, runtime.head_dim
         self._buffers = CacheBuffers(runtime.n_decoder_layers, rows, heads, capacity, head_dim)
         # cross_key.0, cross_value.0, ...: (slots, h, S, d); the padding past a row's source is masked
