@@ -28,7 +28,7 @@ from model.decoding import greedy_decode
 from model.transformer import Transformer
 from service.cached_step import CacheBuffers, run_step
 from service.generation import generate
-from service.runtime import ModelRuntime, to_numpy
+from service.runtime import EncoderState, ModelRuntime, to_numpy
 from service.slot_batch import SlotBatch
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def _check_case(model: Transformer, runtime: ModelRuntime, sources: list[list[in
                           max_new_tokens, compare)
 
 
-def _check_step_graph(runtime: ModelRuntime, state: Any, target_np: np.ndarray, target_mask_np: np.ndarray,
+def _check_step_graph(runtime: ModelRuntime, state: EncoderState, target_np: np.ndarray, target_mask_np: np.ndarray,
                       full_logits: torch.Tensor, expected_gen: list, sources: list[list[int]],
                       max_new_tokens: int, compare: _Comparer) -> None:
     """Teacher-forced logits one token a step in cache buffers, then greedy tokens in a SlotBatch."""

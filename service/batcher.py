@@ -442,9 +442,9 @@ class Batcher:
         """Remove from the queue the greedy rows that fit in the running batch, oldest first,
         when they may join now (see the module's docstring); else none."""
         assert self._batch is not None
-        limit = join_age_limit(self.limits.max_join_age, self.join_rows, len(self._decoding))
         if (self.limits.max_join_age and self._batch.pads_to_oldest and self._decoding
-                and self._batch.oldest_age > limit):
+                and self._batch.oldest_age > join_age_limit(self.limits.max_join_age, self.join_rows,
+                                                            len(self._decoding))):
             return []  # the newcomers' cache would be padded to the old row's length: wait
         room = self.limits.max_batch_size - len(self._decoding)
         longest = max((len(row.source) for row in self._decoding), default=0)
