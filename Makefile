@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test test-slow bench soak venv-serve venv-dev venv-bench
+.PHONY: serve test test-slow test-newcomer bench soak venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ serve: venv-serve
 	$(BIN)/attnserve serve --host 0.0.0.0 --port $(PORT) --models models
 
 test: venv-dev
-	$(BIN)/python -m pytest -m "not slow and not gpu and not soak" -q
+	$(BIN)/python -m pytest -m "not slow and not gpu and not soak and not newcomer" -q
+
+# A fresh clone of HEAD: `make serve` there, every README example against it, the wheel.
+test-newcomer: venv-dev
+	$(BIN)/python -m pytest -m newcomer -q
 
 test-slow: venv-dev
 	$(BIN)/python -m pytest -m "slow" -q

@@ -47,9 +47,12 @@ def test_mixed_length_batch_equals_rows_alone(trained_tiny, beam_size):
 def test_beam_search_solves_the_task_and_beam_one_is_greedy(trained_tiny):
     model = trained_tiny.load()
     source = pad_batch(_sources(trained_tiny.valid, 30), 0)
+    targets = trained_tiny.valid.targets[:30]
     beams = beam_search(model, source, 4, 12)
-    assert sum(g.tokens == t for g, t in zip(beams, trained_tiny.valid.targets[:30])) >= 27
-    assert [g.tokens for g in beam_search(model, source, 1, 12)] == [g.tokens for g in greedy_decode(model, source, 12)]
+    greedy = greedy_decode(model, source, 12)
+    solved = sum(g.tokens == t for g, t in zip(beams, targets))
+    assert solved >= 24 and solved >= sum(g.tokens == t for g, t in zip(greedy, targets))
+    assert [g.tokens for g in beam_search(model, source, 1, 12)] == [g.tokens for g in greedy]
 
 
 def test_max_new_tokens_stops_with_length(trained_tiny):
