@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test test-slow test-newcomer bench soak venv-serve venv-dev venv-bench
+.PHONY: serve test lint test-slow test-newcomer bench soak venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ serve: venv-serve
 
 test: venv-dev
 	$(BIN)/python -m pytest -m "not slow and not gpu and not soak and not newcomer" -q
+
+# Style, types and the one-way layers (pyproject.toml's [tool.importlinter] contracts).
+lint: venv-dev
+	$(BIN)/ruff check .
+	$(BIN)/mypy service export attnserve
+	$(BIN)/lint-imports
 
 # A fresh clone of HEAD: `make serve` there, every README example against it, the wheel.
 test-newcomer: venv-dev

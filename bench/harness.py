@@ -57,7 +57,7 @@ class BenchConfig:
 
 def discover(models_dir: Path) -> list[tuple[Path, str, str]]:
     """(folder, model name, task) of every model repository folder under `models_dir`."""
-    from export.manifest import read_manifest
+    from service.repository.manifest import read_manifest
 
     found = []
     for manifest in sorted(models_dir.glob("*/manifest.json")):
@@ -326,7 +326,7 @@ def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
     for folder, name, task in discover(config.models_dir):
         if counts.get(task, 0) <= 0:
             continue
-        from export.manifest import read_manifest
+        from service.repository.manifest import read_manifest
 
         manifest = read_manifest(folder)
         tokenizer = Tokenizer.from_file(folder / "tokenizer.model")

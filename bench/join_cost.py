@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=3, help="sources per join")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    from export.manifest import read_manifest
     from model.tokenizer import Tokenizer
+    from service.repository.manifest import read_manifest
     from service.runtime import ModelRuntime
 
     manifest = read_manifest(args.model)

@@ -104,8 +104,8 @@ def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload,
                           out_dir: Path) -> Callable[[], dict[str, Any]]:
     """A function that times one CTranslate2 int8 greedy `translate_batch` over the workload."""
     from bench import ctranslate2_converter, ctranslate2_runs
-    from export.manifest import read_manifest
     from model.tokenizer import Tokenizer
+    from service.repository.manifest import read_manifest
 
     tokenizer = Tokenizer.from_file(model_dir / "tokenizer.model")
     pieces = [tokenizer.pieces(ids) for ids in workload.source_ids]
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from export.manifest import read_manifest
     from model.tokenizer import Tokenizer
+    from service.repository.manifest import read_manifest
 
     folder = args.models / args.model
     tokenizer = Tokenizer.from_file(folder / "tokenizer.model")

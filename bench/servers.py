@@ -43,7 +43,7 @@ def service_command(models_dir: Path, port: int, mode: str = "continuous", threa
                     providers: Sequence[str] = ("CPUExecutionProvider",), max_queue_size: int = 2048) -> list[str]:
     """The `attnserve serve` command line in one of `SERVICE_MODES` (batching off = one row per
     batch, no wait)."""
-    command = [sys.executable, "-m", "service.cli", "--log-level", "WARNING", "serve",
+    command = [sys.executable, "-m", "attnserve.cli", "--log-level", "WARNING", "serve",
                "--models", str(models_dir), "--host", HOST, "--port", str(port),
                "--providers", ",".join(providers), "--threads", str(threads),
                "--max-queue-size", str(max_queue_size)]

@@ -1,5 +1,5 @@
 """What a decoder step costs a running batch: the merged decoder with a shared cache length
-against the step graph over each row's own length (`export.cached_step`), in-process.
+against the step graph over each row's own length (`export.step_graph`), in-process.
 
     python -m bench.step_graph --model models/translate-en-it --out bench/results/step_graph_cpu.json
 
@@ -46,8 +46,8 @@ def _paired_median_ms(first: Any, second: Any, repeats: int) -> tuple[float, flo
 
 
 def measure(model_dir: Path, source_len: int, capacity: int, repeats: int, seed: int = 0) -> dict[str, Any]:
-    from service.cached_step import CacheBuffers, run_step
     from service.runtime import KVCache, ModelRuntime
+    from service.runtime.step_buffers import CacheBuffers, run_step
 
     runtime = ModelRuntime.load(model_dir, providers=["CPUExecutionProvider"], threads=1, spinning=False)
     session = runtime.step

@@ -70,7 +70,7 @@ def _provenance(checkpoint: str) -> dict[str, object]:
     import math
     from pathlib import Path
 
-    from export.manifest import MANIFEST_FILE, read_manifest, sha256_file
+    from service.repository.manifest import MANIFEST_FILE, read_manifest, sha256_file
 
     if (Path(checkpoint) / MANIFEST_FILE).exists():
         earlier = read_manifest(checkpoint).exporter.get("source")

@@ -17,7 +17,7 @@ The price is a graph that cannot specialise the first step; it has nothing to sp
 cross-attention keys/values come from the encoder graph, not from the decoder.
 
 The wrappers are thin: they call `Transformer.encode` / `start_decoding` / `decode` and only
-flatten the dataclasses into named tensors (see `export.graph_io` for the names and axes).
+flatten the dataclasses into named tensors (see `service.repository.graph_io` for the names and axes).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from export import graph_io
 from model.transformer import DecoderCache, LayerCache, Transformer
+from service.repository import graph_io
 
 log = logging.getLogger(__name__)
 

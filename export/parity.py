@@ -26,9 +26,9 @@ import torch
 
 from model.decoding import greedy_decode
 from model.transformer import Transformer
-from service.cached_step import CacheBuffers, run_step
 from service.generation import generate
 from service.runtime import EncoderState, ModelRuntime, to_numpy
+from service.runtime.step_buffers import CacheBuffers, run_step
 from service.slot_batch import SlotBatch
 
 log = logging.getLogger(__name__)

@@ -16,17 +16,17 @@ from typing import Any
 
 import torch
 
-from export import graph_io, packed_weights
-from export.cached_step import STEP_DECODER_FILE, export_cached_step
-from export.manifest import Manifest, Variant, repository_files, write_manifest
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
 from export.parity import check_parity, parity_sources
 from export.quality import MAX_DROP, measure_quality, within_bound
+from export.step_graph import STEP_DECODER_FILE, export_step_graph
 from export.storage import save_graphs
 from export.variants import PRECISIONS, convert
 from model.checkpoint import WEIGHTS_FILE, load_model, save_weights
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
+from service.repository import graph_io, packed_weights
+from service.repository.manifest import Manifest, Variant, repository_files, write_manifest
 from service.runtime import CPU, CUDA, ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ TOKENIZER_FILE = "tokenizer.model"
 MAX_SIZE_MB = 60.0  # per model repository, all files (MiB, as `du -sm` counts)
 DROP_ORDER = ("fp16", "int8")  # variants given up first when the repository is too large
 PROVIDERS = {"fp32": [CUDA, CPU], "int8": [CPU], "fp16": [CUDA]}
-# Variants that get the decoder step graph (`export.cached_step`): the CPU's. Its cache buffers
+# Variants that get the decoder step graph (`export.step_graph`): the CPU's. Its cache buffers
 # are host memory written in place; fp16 runs on CUDA, where they would have to live on the
 # device (not written), so its running batch keeps the merged decoder.
 STEP_PRECISIONS = ("fp32", "int8")
@@ -131,7 +131,7 @@ def _build(
     save_weights(model, staging, dtype=torch.bfloat16)
     shutil.copyfile(tokenizer_path, staging / TOKENIZER_FILE)
     graphs = export_graphs(model)
-    graphs[STEP_DECODER_FILE] = export_cached_step(model)  # last: the others' weights keep their offsets
+    graphs[STEP_DECODER_FILE] = export_step_graph(model)  # last: the others' weights keep their offsets
     entries: dict[str, Variant] = {}
     for precision in variants:
         folder = "" if precision == "fp32" else f"{precision}/"

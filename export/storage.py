@@ -6,7 +6,7 @@ here every large initializer goes to `weights.bin` beside the graphs, deduplicat
 so the tied matrix is stored once per variant. onnxruntime reads external data relative to
 the .onnx file; the file name stays inside the variant's folder. With `pack_bfloat16` (weights
 that are all bfloat16 numbers), the file is stored packed at half the size as
-`weights.bin.bf16` (see `export.packed_weights`) and expanded in memory when served.
+`weights.bin.bf16` (see `service.repository.packed_weights`) and expanded in memory when served.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-from export import packed_weights
+from service.repository import packed_weights
 
 WEIGHTS_FILE = "weights.bin"
 MIN_EXTERNAL_BYTES = 1024  # smaller tensors stay inside the graph

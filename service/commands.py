@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from service.registry import ModelRegistry
+    from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -97,17 +98,21 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings of `serve`: the environment's (ATTNSERVE_*), overridden by the flags given."""
+    from service.settings import Settings
+
+    return Settings(**{name: getattr(args, name) for name in _SETTING_FLAGS if getattr(args, name, None) is not None})
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn  # lazy: only the serve extra has it
     from pydantic import ValidationError
 
     from service.app import create_app
-    from service.settings import Settings
 
-    overrides = {name: getattr(args, name) for name in _SETTING_FLAGS
-                 if getattr(args, name, None) is not None}
     try:
-        settings = Settings(**overrides)
+        settings = settings_from_args(args)
     except ValidationError as error:
         logger.error("invalid settings: %s", error)
         return 2

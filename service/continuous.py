@@ -229,16 +229,16 @@ class RunningBatch(Generic[Owner]):
                 row += array.shape[0]
             return out
 
-        old_keys = self._cross_keys if kept else [None] * layers
-        old_values = self._cross_values if kept else [None] * layers
+        old_keys: list[np.ndarray | None] = list(self._cross_keys) if kept else [None] * layers
+        old_values: list[np.ndarray | None] = list(self._cross_values) if kept else [None] * layers
         self._cross_keys = [gather(old_keys[i], [c[0][i] for c in new_cross], source_len, 0, template.dtype)
                             for i in range(layers)]
         self._cross_values = [gather(old_values[i], [c[1][i] for c in new_cross], source_len, 0, template.dtype)
                               for i in range(layers)]
-        self._keys = [gather(k if kept else None, [], past, first, cache_dtype)
-                      for k in (self._keys or [None] * layers)]
-        self._values = [gather(v if kept else None, [], past, first, cache_dtype)
-                        for v in (self._values or [None] * layers)]
+        past_keys: list[np.ndarray | None] = list(self._keys) if self._keys else [None] * layers
+        past_values: list[np.ndarray | None] = list(self._values) if self._values else [None] * layers
+        self._keys = [gather(k if kept else None, [], past, first, cache_dtype) for k in past_keys]
+        self._values = [gather(v if kept else None, [], past, first, cache_dtype) for v in past_values]
         source_mask = np.zeros((rows, source_len), dtype=bool)
         target_mask = np.zeros((rows, past), dtype=bool)
         if kept:

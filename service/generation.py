@@ -243,7 +243,7 @@ def beam_search(
         last = np.asarray(next_tokens, dtype=np.int64)[:, None]
         open_rows = still_open
     return [
-        cancelled[row] if row in cancelled else max(hyps, key=lambda g: g.score)
+        cancelled[row] if row in cancelled else max(hyps, key=lambda g: -np.inf if g.score is None else g.score)
         for row, hyps in enumerate(finished)
     ]
 

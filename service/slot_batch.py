@@ -2,7 +2,7 @@
 
 The same contract as `service.continuous.RunningBatch` (`add` rows between steps, `step`
 returns the rows that finished, `cancel_all`; the rules of a row are `service.generation.greedy`'s),
-but on the runtime's step graph (`runtime.step`, `export.cached_step`) instead of the merged
+but on the runtime's step graph (`runtime.step`, `export.step_graph`) instead of the merged
 decoder. Each row's keys/values stay in its slot of fixed `CacheBuffers` (row b: columns
 0..its length-1); the graph attends over each row's own length and writes the new column in
 place. So a newcomer joins without a copy of the batch and without its cache being padded to
@@ -28,10 +28,10 @@ from typing import Generic, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from service.cached_step import CacheBuffers, run_step
 from service.continuous import Member, Owner, advance, encode_newcomers
 from service.generation import GenerationResult, RowHooks, Runtime, greedy_choice
 from service.runtime import to_numpy
+from service.runtime.step_buffers import CacheBuffers, run_step
 
 
 class StepRuntime(Runtime, Protocol):

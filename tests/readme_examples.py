@@ -26,7 +26,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 DOCUMENTED_ADDRESS = "localhost:8000"
 ANY = "..."
 
-_FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.M | re.S)
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.MULTILINE | re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class Example:
         else:
             argv = [python, "-c", code]
         env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
+                              check=False)
 
 
 def examples(markdown: str) -> list[Example]:

@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 
 
 def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    from service.cli import main
+    from attnserve.cli import main
 
     models, data = tiny_bench_dirs
     out = tmp_path / "results"

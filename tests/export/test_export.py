@@ -11,8 +11,6 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from export import graph_io
-from export.manifest import read_manifest, verify_files, write_manifest
 from export.parity import (
     ATTENTION_ATOL,
     KEY_VALUE_ATOL,
@@ -25,6 +23,8 @@ from export.quality import within_bound
 from export.repository import RepositoryTooLarge, _fit
 from model.checkpoint import load_model
 from model.transformer import Transformer
+from service.repository import graph_io
+from service.repository.manifest import read_manifest, verify_files, write_manifest
 from service.runtime import CPU, ModelRuntime
 
 BATCHES = {
@@ -100,9 +100,9 @@ def test_a_step_graph_of_another_model_fails_parity(tiny_repository_model: Trans
     """The encoder and merged decoder agree with PyTorch; the step graph does not: caught."""
     import dataclasses
 
-    from export.cached_step import export_cached_step
+    from export.step_graph import export_step_graph
 
-    other = ort.InferenceSession(export_cached_step(random_tiny).SerializeToString(), providers=[CPU])
+    other = ort.InferenceSession(export_step_graph(random_tiny).SerializeToString(), providers=[CPU])
     broken = dataclasses.replace(tiny_runtime, step=other)
     with pytest.raises(OutputMismatch, match=r"step graph logits \(step 0\)"):
         check_parity(tiny_repository_model, broken, BATCHES["batch 5, mixed lengths"])
@@ -221,7 +221,7 @@ def test_fp16_variant_keeps_float32_io(tiny_model_repository: Path, tiny_runtime
 
 
 def test_check_parity_command(tiny_model_repository: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from service.cli import main
+    from attnserve.cli import main
 
     assert main(["check-parity", "--model-dir", str(tiny_model_repository), "--threads", "1",
                  "--max-new-tokens", "8"]) == 0
@@ -230,7 +230,7 @@ def test_check_parity_command(tiny_model_repository: Path, capsys: pytest.Captur
 
 
 def test_export_command_arguments() -> None:
-    from service.cli import build_parser
+    from attnserve.cli import build_parser
 
     args = build_parser().parse_args([
         "export", "--checkpoint", "runs/translate-en-it/best", "--task", "translate-en-it",

@@ -181,7 +181,7 @@ def test_int8_sessions_fold_constant_dequantize_without_changing_tokens(tiny_mod
     dequantized once): the same tokens as sessions that keep them."""
     import dataclasses
 
-    from service import runtime as runtime_module
+    from service.runtime import model_runtime as runtime_module
 
     folded = ModelRuntime.load(tiny_model_repository, providers=["CPUExecutionProvider"], variant="int8")
     encoder, decoder, _ = runtime_module._sessions(tiny_model_repository, folded.manifest.variants["int8"],

@@ -14,10 +14,9 @@ from service.runtime import (
     CPU,
     CUDA,
     ModelRuntime,
-    RowGather,
-    gather_graph,
     to_numpy,
 )
+from service.runtime.row_gather import RowGather, gather_graph
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +158,8 @@ def test_fp16_cache_in_graph_io(tiny_model_repository: Path, sources, tmp_path: 
     onnx = pytest.importorskip("onnx")
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    from export.manifest import Variant, read_manifest, write_manifest
     from export.storage import load_graph
+    from service.repository.manifest import Variant, read_manifest, write_manifest
 
     repository = tmp_path / "tiny"
     shutil.copytree(tiny_model_repository, repository)

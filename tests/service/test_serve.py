@@ -32,7 +32,7 @@ def serve_command() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("attnserve")
-    return [found] if found else [sys.executable, "-m", "service.cli"]
+    return [found] if found else [sys.executable, "-m", "attnserve.cli"]
 
 
 @contextmanager

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
+from attnserve.cli import build_parser
 from service import commands
-from service.cli import build_parser
 from service.settings import DEFAULT_PROVIDERS, Settings
 
 
@@ -39,9 +39,7 @@ def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     args = build_parser().parse_args(
         ["serve", "--models", "elsewhere", "--max-batch-size", "3",
          "--providers", "CUDAExecutionProvider, CPUExecutionProvider"])
-    overrides = {name: getattr(args, name) for name in commands._SETTING_FLAGS
-                 if getattr(args, name) is not None}
-    settings = Settings(**overrides)
+    settings = commands.settings_from_args(args)
     assert settings.max_batch_size == 3
     assert settings.port == 9000
     assert settings.models_dir == Path("elsewhere")

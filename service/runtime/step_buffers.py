@@ -1,4 +1,4 @@
-"""Calling the step graph (`decoder_step.onnx`, see `export.cached_step`): one decoder step per
+"""Calling the step graph (`decoder_step.onnx`, see `export.step_graph`): one decoder step per
 row over that row's own cache, written in place.
 
 `CacheBuffers` holds the keys/values of every decoder layer in fixed (B, h, capacity, d) host
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from export import graph_io
+from service.repository import graph_io
 
 
 class CacheBuffers:
@@ -22,7 +22,7 @@ class CacheBuffers:
     def __init__(self, layers: int, rows: int, heads: int, capacity: int, head_dim: int,
                  dtype: type = np.float32) -> None:
         shape = (rows, heads, capacity, head_dim)
-        self.arrays = [np.zeros(shape, dtype=dtype) for _ in range(2 * layers)]  # key.0, value.0, key.1, ...
+        self.arrays: list[np.ndarray] = [np.zeros(shape, dtype=dtype) for _ in range(2 * layers)]  # key.0, value.0, key.1, ...
 
     @property
     def rows(self) -> int:

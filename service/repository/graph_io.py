@@ -17,7 +17,7 @@ decoder.onnx (one merged graph: past_len may be 0)
            (batch, heads, total_len, head_dim); self_attention.{i} (batch, heads, new_len,
            total_len); cross_attention.{i} (batch, heads, new_len, source_len)
 
-decoder_step.onnx (continuous batching, `export.cached_step`: each row over its own length)
+decoder_step.onnx (continuous batching, `export.step_graph`: each row over its own length)
   inputs   input_ids, positions (batch, 1) int64 (positions: each row's cached length);
            source_mask (batch, source_len) bool; past_key.{i}, past_value.{i}
            (batch, heads, capacity, head_dim); cross_key.{i}, cross_value.{i}

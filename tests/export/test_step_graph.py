@@ -7,11 +7,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.cached_step import CachedStepGraph, example_step_inputs, export_cached_step
 from export.parity import LOGITS_ATOL
+from export.step_graph import StepGraph, example_step_inputs, export_step_graph
 from model.decoding import greedy_decode, pad_batch
 from model.transformer import DecoderCache, LayerCache, Transformer
-from service.cached_step import CacheBuffers, run_step
+from service.runtime.step_buffers import CacheBuffers, run_step
 
 SOURCES = [[5, 9, 12, 7, 3], [7, 3], [4, 8, 15, 16, 11, 6, 10, 3]]
 
@@ -21,7 +21,7 @@ def tiny_step(trained_tiny) -> tuple[Transformer, ort.InferenceSession]:
     model = trained_tiny.load().eval()
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(export_cached_step(model).SerializeToString(), options,
+    session = ort.InferenceSession(export_step_graph(model).SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     return model, session
 
@@ -30,7 +30,7 @@ def test_the_pytorch_operator_matches_attention_over_each_rows_past(random_tiny:
     """The custom operator's reference: row b sees columns 0..lengths[b] and nothing after."""
     inputs = example_step_inputs(random_tiny)
     ids, positions, source_mask, past, cross = inputs
-    logits, *present = CachedStepGraph(random_tiny)(*inputs)
+    logits, *present = StepGraph(random_tiny)(*inputs)
     for row, length in enumerate(positions[:, 0].tolist()):
         # the same row alone, its past cut to its own length, through the merged decoder's path
         layers = [LayerCache(past[2 * i][row:row + 1, :, :length], past[2 * i + 1][row:row + 1, :, :length],

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from service import cli
+from attnserve import cli
 
 
 def _extra_only_modules() -> set[str]:
@@ -38,7 +38,7 @@ def test_service_imports_nothing_of_the_train_or_bench_extras() -> None:
         "import importlib, json, pkgutil, sys, service\n"
         "for info in pkgutil.walk_packages(service.__path__, 'service.'):\n"
         "    importlib.import_module(info.name)\n"
-        "from service.cli import build_parser\n"
+        "from attnserve.cli import build_parser\n"
         "build_parser('serve').parse_args(['serve', '--port', '1'])\n"
         "print(json.dumps(sorted({name.split('.')[0] for name in sys.modules})))\n"
     )
@@ -49,7 +49,7 @@ def test_service_imports_nothing_of_the_train_or_bench_extras() -> None:
 
 
 def test_help_lists_every_subcommand_and_loads_none(capsys: pytest.CaptureFixture[str]) -> None:
-    probe = ("import sys\nfrom service.cli import main\n"
+    probe = ("import sys\nfrom attnserve.cli import main\n"
              "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
              "print(sorted(m for m in ('model.commands', 'export.commands', 'bench.commands', "
              "'service.commands') if m in sys.modules))\n")

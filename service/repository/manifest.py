@@ -61,9 +61,9 @@ class Variant:
     servable: bool  # False when its quality loss exceeds the bound (or was not measured)
     quality: dict[str, Any] | None = None
     note: str = ""
-    # external-data files stored packed (`export.packed_weights`), expanded in memory at load
+    # external-data files stored packed (`service.repository.packed_weights`), expanded in memory at load
     packed_weights: list[str] = field(default_factory=list)
-    # the decoder step over each row's own cache (`export.cached_step`) for continuous
+    # the decoder step over each row's own cache (`export.step_graph`) for continuous
     # batching; "" when the variant has none (the running batch then uses `decoder`)
     step_decoder: str = ""
 

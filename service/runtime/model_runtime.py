@@ -2,7 +2,8 @@
 calls of the encoder and decoder graphs. Torch-free (numpy, onnxruntime, sentencepiece).
 
 `service.generation` builds the decoding loop on `encode`, `decode` and the `select` methods
-of `EncoderState` / `KVCache`. Graph inputs and outputs are named in `export.graph_io`.
+of `EncoderState` / `KVCache` (`service.runtime.tensors`). Graph inputs and outputs are named in
+`service.repository.graph_io`.
 Only the outputs a call needs are fetched: attention weights are asked for on request only.
 
 Two ways to call the graphs, chosen per runtime (`io_binding`, auto by default):
@@ -13,47 +14,43 @@ Two ways to call the graphs, chosen per runtime (`io_binding`, auto by default):
   the next step's inputs as `onnxruntime.OrtValue`s, never copied to the host; only `logits`
   (and attention weights, when asked for) come back to numpy. Row selection (finished rows
   leaving the batch, beams following their parent) runs on the device too: a tiny Gather graph
-  (`RowGather`, built here without the onnx package) gathers the rows of every layer's tensor in
+  (`service.runtime.row_gather.RowGather`) gathers the rows of every layer's tensor in
   one call, a device-to-device copy of the rows kept -- no host round-trip, on either device.
-`AUTO_IO_BINDING` holds the measured default per provider (bench/results/io_binding_cpu.json).
+`AUTO_IO_BINDING` holds the default per provider.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TypeAlias
 
 import numpy as np
 import onnxruntime as ort
 
-from export import graph_io, packed_weights
-from export.manifest import Manifest, ManifestError, Variant, read_manifest, verify_files
 from model.tokenizer import Tokenizer
-from service.cached_step import CacheBuffers, run_step
+from service.repository import graph_io, packed_weights
+from service.repository.manifest import (
+    Manifest,
+    ManifestError,
+    Variant,
+    read_manifest,
+    verify_files,
+)
+from service.runtime.providers import (
+    AUTO_IO_BINDING,
+    CPU,
+    CUDA,
+    DEFAULT_PROVIDERS,
+    VARIANT_PREFERENCE,
+)
+from service.runtime.row_gather import RowGather
+from service.runtime.step_buffers import CacheBuffers, run_step
+from service.runtime.tensors import DecoderStep, EncoderState, Gatherer, KVCache, Tensor, to_numpy
 
 logger = logging.getLogger(__name__)
-
-CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
-DEFAULT_PROVIDERS = (CUDA, CPU)
-# Variants to try per execution provider, best first; only servable ones are taken.
-VARIANT_PREFERENCE = {CUDA: ("fp16", "fp32"), CPU: ("int8", "fp32")}
-# IO binding by default? CUDA: yes, so the KV cache stays on the GPU (not measured here: no GPU).
-# CPU: no. There it saves no copy (numpy arrays and CPU OrtValues share memory both ways) and
-# `python -m bench.io_binding` (bench/results/io_binding_cpu.json, 2 loaded cores) measured it
-# 7-8% slower for translate-en-it greedy with onnxruntime's default threads, 9-19% slower for the
-# tiny model; only with 1 thread was it 3% (greedy) to 7% (beam 3, cheaper row gathers) faster.
-AUTO_IO_BINDING = {CUDA: True, CPU: False}
-
-# A tensor as the graph calls hand it over: numpy on the host, or an OrtValue on the session's
-# device (IO binding).
-Tensor: TypeAlias = np.ndarray | ort.OrtValue
-# Gathers batch rows of tensors that live on a device: (tensors, rows) -> tensors.
-Gatherer: TypeAlias = Callable[[list[ort.OrtValue], np.ndarray], list[ort.OrtValue]]
 
 # numpy dtypes of the graphs' float tensor types, as onnxruntime names them
 _NUMPY_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
@@ -66,78 +63,6 @@ class ModelError(Exception):
 class ModelLoadError(ModelError):
     """The model repository cannot be served: bad manifest, missing, empty or altered file,
     no usable execution provider or variant, or a graph onnxruntime refuses."""
-
-
-def shape(tensor: Tensor) -> tuple[int, ...]:
-    """The shape of a numpy array or an OrtValue."""
-    return tuple(tensor.shape()) if isinstance(tensor, ort.OrtValue) else tuple(tensor.shape)
-
-
-def to_numpy(tensor: Tensor) -> np.ndarray:
-    """A host copy (or view, for a CPU OrtValue) of a tensor."""
-    return tensor.numpy() if isinstance(tensor, ort.OrtValue) else tensor
-
-
-def _take(tensors: list[Tensor], rows: np.ndarray, gather: Gatherer | None) -> list[Tensor]:
-    """Rows of each tensor: numpy indexing on the host, `gather` on the device for OrtValues."""
-    if tensors and isinstance(tensors[0], ort.OrtValue):
-        if gather is None:  # an OrtValue without a device gatherer: through the host
-            return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(to_numpy(t)[rows])) for t in tensors]
-        return list(gather(tensors, rows))
-    return [t[rows] for t in tensors]  # type: ignore[index]
-
-
-@dataclass
-class EncoderState:
-    """What the decoder needs from the encoder, per batch row."""
-
-    source_mask: np.ndarray  # (B, S) bool, True on real source tokens
-    cross_keys: list[Tensor]  # per decoder layer (B, h, S, d); OrtValues on the device with IO binding
-    cross_values: list[Tensor]  # per decoder layer (B, h, S, d)
-    attentions: list[np.ndarray] | None = None  # per encoder layer (B, h, S, S), when asked for
-    gather: Gatherer | None = field(default=None, repr=False, compare=False)  # row selection on the device
-
-    def select(self, rows: np.ndarray) -> EncoderState:
-        """Keep, reorder or repeat batch rows (finished rows leave, beams follow their parent)."""
-        rows = np.asarray(rows, dtype=np.int64)
-        layers = len(self.cross_keys)
-        cross = _take([*self.cross_keys, *self.cross_values], rows, self.gather)
-        return EncoderState(
-            self.source_mask[rows],
-            cross[:layers],
-            cross[layers:],
-            None if self.attentions is None else [a[rows] for a in self.attentions],
-            self.gather,
-        )
-
-
-@dataclass
-class KVCache:
-    """Self-attention keys and values of the positions decoded so far."""
-
-    keys: list[Tensor]  # per decoder layer (B, h, P, d); OrtValues on the device with IO binding
-    values: list[Tensor]  # per decoder layer (B, h, P, d)
-    gather: Gatherer | None = field(default=None, repr=False, compare=False)  # row selection on the device
-
-    @property
-    def length(self) -> int:
-        return int(shape(self.keys[0])[2])
-
-    def select(self, rows: np.ndarray) -> KVCache:
-        rows = np.asarray(rows, dtype=np.int64)
-        layers = len(self.keys)
-        kept = _take([*self.keys, *self.values], rows, self.gather)
-        return KVCache(kept[:layers], kept[layers:], self.gather)
-
-
-@dataclass
-class DecoderStep:
-    """One call of the decoder graph."""
-
-    logits: np.ndarray  # (B, T, V) float32, on the host
-    cache: KVCache  # grown by T positions (on the device with IO binding)
-    self_attentions: list[np.ndarray] | None = None  # per layer (B, h, T, P+T)
-    cross_attentions: list[np.ndarray] | None = None  # per layer (B, h, T, S)
 
 
 @dataclass
@@ -156,7 +81,7 @@ class ModelRuntime:
     device: str = "cpu"  # where IO binding keeps them: "cuda" | "cpu"
     device_id: int = 0
     gather: Gatherer | None = field(default=None, repr=False)  # row selection on the device (IO binding)
-    # the decoder step over each row's own cache (`export.cached_step`), for continuous batching;
+    # the decoder step over each row's own cache (`export.step_graph`), for continuous batching;
     # None when the variant has none or the provider is not the CPU (its buffers are host memory)
     step: ort.InferenceSession | None = field(default=None, repr=False)
 
@@ -483,90 +408,3 @@ def _device(session: ort.InferenceSession, provider: str) -> tuple[str, int]:
         return "cpu", 0
     options = session.get_provider_options().get(CUDA, {})
     return "cuda", int(options.get("device_id", 0))
-
-
-class RowGather:
-    """Row selection of OrtValues on the device they live on, without a host round-trip.
-
-    onnxruntime's Python API has no tensor indexing, so each call runs a tiny graph: one
-    `Gather(axis=0)` per tensor sharing a `rows` input, with IO binding, outputs left on the
-    device. Its cost is one device-to-device copy of the rows kept (what numpy indexing costs on
-    the host) plus one graph call. Graphs are built here, without the onnx package (not a serving
-    dependency), one per tuple of (element type, rank) of the tensors, and cached.
-    """
-
-    def __init__(self, provider: str, device: str, device_id: int, threads: int = 0) -> None:
-        self.device, self.device_id = device, device_id
-        self._providers: list = ([(CUDA, {"device_id": str(device_id)}), CPU] if provider == CUDA else [CPU])
-        self._threads = threads
-        self._sessions: dict[tuple[tuple[int, int], ...], ort.InferenceSession] = {}
-        self._lock = threading.Lock()
-
-    def session(self, tensors: tuple[tuple[int, int], ...]) -> ort.InferenceSession:
-        with self._lock:
-            session = self._sessions.get(tensors)
-            if session is None:
-                options = ort.SessionOptions()
-                options.intra_op_num_threads = self._threads
-                options.inter_op_num_threads = 1
-                options.log_severity_level = 3  # no warnings about nodes placed on the CPU
-                session = ort.InferenceSession(gather_graph(tensors), options, providers=self._providers)
-                self._sessions[tensors] = session
-            return session
-
-    def __call__(self, tensors: list[ort.OrtValue], rows: np.ndarray) -> list[ort.OrtValue]:
-        session = self.session(tuple((t.element_type(), len(t.shape())) for t in tensors))
-        binding = session.io_binding()
-        binding.bind_cpu_input("rows", np.ascontiguousarray(rows, dtype=np.int64))
-        for i, tensor in enumerate(tensors):
-            binding.bind_ortvalue_input(f"x{i}", tensor)
-            binding.bind_output(f"y{i}", self.device, self.device_id)
-        session.run_with_iobinding(binding)
-        return binding.get_outputs()
-
-
-# -- a minimal ONNX ModelProto writer (protobuf wire format), for `gather_graph` ---------------
-
-_INT64 = 7  # TensorProto.INT64
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _int(field_number: int, value: int) -> bytes:
-    return _varint(field_number << 3) + _varint(value)
-
-
-def _message(field_number: int, payload: bytes | str) -> bytes:
-    data = payload.encode() if isinstance(payload, str) else payload
-    return _varint(field_number << 3 | 2) + _varint(len(data)) + data
-
-
-def _value_info(name: str, element_type: int, dims: list[str]) -> bytes:
-    """ValueInfoProto: name, TypeProto.tensor_type (elem_type, shape of named dynamic dims)."""
-    shape = b"".join(_message(1, _message(2, d)) for d in dims)
-    return _message(1, name) + _message(2, _message(1, _int(1, element_type) + _message(2, shape)))
-
-
-def gather_graph(tensors: tuple[tuple[int, int], ...], opset: int = 13) -> bytes:
-    """A serialized ONNX model: inputs `rows` (int64 [n]) and `x0..`, outputs
-    `yi = Gather(xi, rows, axis=0)`; `tensors` are the (ONNX element type, rank) of the `xi`."""
-    nodes = b"".join(
-        _message(1, _message(1, f"x{i}") + _message(1, "rows") + _message(2, f"y{i}") + _message(3, f"gather{i}")
-                 + _message(4, "Gather") + _message(5, _message(1, "axis") + _int(3, 0) + _int(20, 2)))
-        for i in range(len(tensors)))
-    inputs = _message(11, _value_info("rows", _INT64, ["rows"])) + b"".join(
-        _message(11, _value_info(f"x{i}", t, [f"x{i}_{a}" for a in range(rank)]))
-        for i, (t, rank) in enumerate(tensors))
-    outputs = b"".join(
-        _message(12, _value_info(f"y{i}", t, ["rows"] + [f"x{i}_{a}" for a in range(1, rank)]))
-        for i, (t, rank) in enumerate(tensors))
-    graph = nodes + _message(2, "row_gather") + inputs + outputs
-    opset_import = _message(1, "") + _int(2, opset)
-    return _int(1, 8) + _message(2, "attnserve") + _message(7, graph) + _message(8, opset_import)  # ir_version 8

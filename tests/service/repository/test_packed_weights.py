@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from export import packed_weights
-from export.manifest import read_manifest
+from service.repository import packed_weights
+from service.repository.manifest import read_manifest
 
 
 def _bf16_exact(values: np.ndarray) -> np.ndarray:

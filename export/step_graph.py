@@ -33,9 +33,9 @@ from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 from torch import Tensor, nn
 
-from export import graph_io
 from model.attention import scaled_dot_product_attention
 from model.transformer import DecoderLayer, Transformer
+from service.repository import graph_io
 
 STEP_DECODER_FILE = "decoder_step.onnx"
 
@@ -91,7 +91,7 @@ def _cached_self_attention_onnx(query, key, value, past_key, past_value, lengths
 TRANSLATIONS = {torch.ops.attnserve.cached_self_attention.default: _cached_self_attention_onnx}
 
 
-class CachedStepGraph(nn.Module):
+class StepGraph(nn.Module):
     """One decoder step per row over its own cache (see the module's docstring)."""
 
     def __init__(self, model: Transformer) -> None:
@@ -140,13 +140,13 @@ def example_step_inputs(model: Transformer) -> tuple[Tensor | tuple[Tensor, ...]
 
 
 @torch.no_grad()
-def export_cached_step(model: Transformer) -> onnx.ModelProto:
+def export_step_graph(model: Transformer) -> onnx.ModelProto:
     """The fp32 step graph in memory."""
     from export.onnx_export import export_graph
 
     layers = model.config.n_decoder_layers
     auto = torch.export.Dim.AUTO
     kv = tuple({0: auto, 2: auto} for _ in range(2 * layers))
-    return export_graph(CachedStepGraph(model.eval()), example_step_inputs(model), graph_io.step_inputs(layers),
+    return export_graph(StepGraph(model.eval()), example_step_inputs(model), graph_io.step_inputs(layers),
                         graph_io.step_outputs(layers), ({0: auto}, {0: auto}, {0: auto, 1: auto}, kv, kv),
                         "decoder_step", translations=TRANSLATIONS)

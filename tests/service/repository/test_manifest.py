@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from export.manifest import (
+from service.repository.manifest import (
     EmptyFile,
     HashMismatch,
     Manifest,
