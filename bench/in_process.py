@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.stats import RunStats, summarise
-from service.generation import GenerationResult, generate
+from service.generation.search import GenerationResult, generate
 from service.runtime import CPU, ModelRuntime
 
 

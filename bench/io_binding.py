@@ -3,7 +3,7 @@
     python -m bench.io_binding --model-dir models/translate-en-it --rows 32 --reps 10
 
 Loads the model twice (`io_binding=False` / `True`), takes `--rows` sentences of mixed length
-from `--source` (seeded sample), and times `service.generation.generate` (encoder + decoder
+from `--source` (seeded sample), and times `service.generation.search.generate` (encoder + decoder
 steps) on the whole batch, alternating the two runtimes rep by rep so that load from other
 processes hits both alike. Checks that both give the same tokens. Writes (merges) the result
 for this model and provider into `--out`, keyed "<model>/<provider>/beam<k>/rows<n>/threads<t>".
@@ -23,7 +23,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from service.generation import generate
+from service.generation.search import generate
 from service.runtime import CPU, ModelRuntime
 
 DEFAULT_OUT = Path("bench/results/io_binding_cpu.json")

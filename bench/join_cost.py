@@ -29,14 +29,14 @@ from bench import machine
 
 def _merged(trim_slack: int, scores: bool) -> Callable[[Any], Any]:
     def make(runtime: Any) -> Any:
-        from service.continuous import RunningBatch
+        from service.batching.running_batch import RunningBatch
 
         return RunningBatch(runtime, trim_slack=trim_slack, scores=scores)
     return make
 
 
 def _slots(runtime: Any) -> Any:
-    from service.slot_batch import SlotBatch
+    from service.batching.slot_batch import SlotBatch
 
     return SlotBatch(runtime, scores=False)
 

@@ -2,7 +2,7 @@
 
 For a batch of one source and a batch of several sources of mixed lengths (right-padded):
 1. encoder: every layer's self-attention and the cross-attention keys/values;
-2. greedy decoding through onnxruntime (`service.generation`, key/value cache, rows leaving
+2. greedy decoding through onnxruntime (`service.generation.search`, key/value cache, rows leaving
    the batch) gives exactly the tokens and finish reasons of `model.decoding.greedy_decode`;
 3. without cache: one decoder call on BOS + those tokens (past length 0, right-padded target)
    matches PyTorch's logits, present keys/values and self-/cross-attention;
@@ -10,7 +10,7 @@ For a batch of one source and a batch of several sources of mixed lengths (right
    present keys/values, match step t of PyTorch's teacher-forced call.
 5. the step graph (`decoder_step.onnx`, when the variant has one): the same targets one token a
    step, each row in its cache buffer, match PyTorch's logits; greedy decoding in a running
-   batch on it (`service.slot_batch.SlotBatch`) gives PyTorch's tokens.
+   batch on it (`service.batching.slot_batch.SlotBatch`) gives PyTorch's tokens.
 A difference beyond the tolerances raises a `ParityError` naming the output, the case and
 the size of the difference.
 """
@@ -26,10 +26,10 @@ import torch
 
 from model.decoding import greedy_decode
 from model.transformer import Transformer
-from service.generation import generate
+from service.batching.slot_batch import SlotBatch
+from service.generation.search import generate
 from service.runtime import EncoderState, ModelRuntime, to_numpy
 from service.runtime.step_buffers import CacheBuffers, run_step
-from service.slot_batch import SlotBatch
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Quality of an exported variant through the serving path (onnxruntime + `service.generation`):
+"""Quality of an exported variant through the serving path (onnxruntime + `service.generation.search`):
 BLEU/chrF (translation) or ROUGE-1/2/L (summarization) of greedy outputs on test rows."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from model.evaluation import rouge_scores, translation_scores
 from model.run_config import read_split
-from service.generation import generate
+from service.generation.search import generate
 from service.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 from torch import Tensor, nn
 
-from model.attention import scaled_dot_product_attention
+from model.multi_head_attention import scaled_dot_product_attention
 from model.transformer import DecoderLayer, Transformer
 from service.repository import graph_io
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import MultiHeadAttention, causal_mask, padding_mask
 from model.config import ModelConfig
 from model.embedding import Embedding
+from model.multi_head_attention import MultiHeadAttention, causal_mask, padding_mask
 
 
 @dataclass

@@ -109,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn  # lazy: only the serve extra has it
     from pydantic import ValidationError
 
-    from service.app import create_app
+    from service.api.app import create_app
 
     try:
         settings = settings_from_args(args)
@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
         run_workers(settings)
         return 0
     if settings.metrics_port is not None:
-        from service.metrics_server import start_metrics_server
+        from service.observability.metrics_server import start_metrics_server
 
         start_metrics_server(settings.metrics_port, settings.host)
     app = create_app(settings)
@@ -132,7 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
         app,
         host=settings.host,
         port=settings.port,
-        workers=1,  # one process owns the models and the batcher (see service/metrics.py)
+        workers=1,  # one process owns the models and the batcher (see service/observability/metrics.py)
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(settings.graceful_timeout_s),
         log_config=None,  # keep the logging set up by `attnserve --log-level`

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from service import metrics
-from service.batcher import Batcher, BatchLimits, GenerateFn, RunningBatchLike
-from service.batcher_pool import BatcherPool
-from service.errors import ModelNotFound, NotReady
+from service.api.errors import ModelNotFound, NotReady
+from service.batching.batcher import Batcher, BatchLimits, GenerateFn, RunningBatchLike
+from service.batching.pool import BatcherPool
+from service.observability import metrics
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,10 @@ def onnx_loader(settings: Settings) -> Loader:
 
 
 def onnx_generator(settings: Settings) -> GeneratorFactory:
-    """`service.generation.generate` bound to each runtime; greedy results scored only with
+    """`service.generation.search.generate` bound to each runtime; greedy results scored only with
     `settings.greedy_scores` (the API does not return scores, and each step's log-softmax over
     the vocabulary cost 4-9% of the throughput at concurrency 64: bench/results/levers-scores)."""
-    from service.generation import generate
+    from service.generation.search import generate
 
     def bind(runtime: Runtime) -> GenerateFn:
         return functools.partial(generate, runtime, greedy_scores=settings.greedy_scores)  # type: ignore[arg-type]
@@ -92,10 +92,10 @@ def onnx_generator(settings: Settings) -> GeneratorFactory:
 
 def onnx_running_batch(settings: Settings) -> RunningBatchFactory:
     """Continuous batching over each runtime, scored as in `onnx_generator`: on its step graph
-    (`service.slot_batch.SlotBatch`) when it has one, else on the merged decoder
-    (`service.continuous.RunningBatch`)."""
-    from service.continuous import RunningBatch
-    from service.slot_batch import SlotBatch
+    (`service.batching.slot_batch.SlotBatch`) when it has one, else on the merged decoder
+    (`service.batching.running_batch.RunningBatch`)."""
+    from service.batching.running_batch import RunningBatch
+    from service.batching.slot_batch import SlotBatch
 
     def bind(runtime: Runtime) -> Callable[[], RunningBatchLike]:
         if getattr(runtime, "step", None) is not None:

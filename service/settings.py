@@ -13,7 +13,7 @@ from typing import Annotated, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service import schemas
+from service.api import schemas
 
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     max_queue_size: int = Field(default=256, ge=1, description="rows waiting, per model")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
 
-    # Input limits (at most the hard caps of `service.schemas`).
+    # Input limits (at most the hard caps of `service.api.schemas`).
     max_texts: int = Field(default=16, ge=1, le=schemas.MAX_TEXTS)
     max_text_chars: int = Field(default=2000, ge=1, le=schemas.MAX_TEXT_CHARS)
     max_input_tokens: int | None = Field(

@@ -43,7 +43,7 @@ def settings_environment(settings: Settings) -> dict[str, str]:
 
 def app_from_environment() -> FastAPI:
     """The app of one worker, with the settings its parent wrote into the environment."""
-    from service.app import create_app
+    from service.api.app import create_app
 
     if not logging.getLogger().handlers:  # a spawned worker: logging as `attnserve` sets it
         logging.basicConfig(level=os.environ.get(LOG_LEVEL_VARIABLE, "INFO").upper(),

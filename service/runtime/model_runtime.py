@@ -1,7 +1,7 @@
 """A model repository on onnxruntime: verified load, provider and variant choice, and single
 calls of the encoder and decoder graphs. Torch-free (numpy, onnxruntime, sentencepiece).
 
-`service.generation` builds the decoding loop on `encode`, `decode` and the `select` methods
+`service.generation.search` builds the decoding loop on `encode`, `decode` and the `select` methods
 of `EncoderState` / `KVCache` (`service.runtime.tensors`). Graph inputs and outputs are named in
 `service.repository.graph_io`.
 Only the outputs a call needs are fetched: attention weights are asked for on request only.

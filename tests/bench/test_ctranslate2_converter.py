@@ -36,7 +36,7 @@ def tiny_ct2(tiny_model_repository: Path, tmp_path_factory: pytest.TempPathFacto
 def test_ctranslate2_greedy_equals_ours(tiny_ct2: Path, tiny_runtime, tiny_model_repository: Path,
                                         max_batch_size: int) -> None:
     from bench import ctranslate2_runs
-    from service.generation import generate
+    from service.generation.search import generate
 
     tokenizer = tiny_runtime.tokenizer
     texts = (tiny_model_repository.parent / "data" / "test.src").read_text(encoding="utf-8").split("\n")

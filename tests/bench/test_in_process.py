@@ -7,7 +7,7 @@ import random
 import pytest
 
 from bench.in_process import run_batches
-from service.generation import generate
+from service.generation.search import generate
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 64])

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service import metrics
+from service.observability import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -281,7 +281,7 @@ def test_dashboard_queries_only_exported_metrics() -> None:
     assert referenced, "the dashboard queries no attnserve metric"
     for name in referenced:
         family = re.sub(r"_(bucket|count|sum)$", "", name)
-        assert name in exported, f"{name} is not exported by service.metrics"
+        assert name in exported, f"{name} is not exported by service.observability.metrics"
         assert name not in histograms, f"{name} is a histogram: query _bucket, _count or _sum"
         if name != family:
             assert family in histograms, f"{name}: {family} is not a histogram"

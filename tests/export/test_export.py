@@ -159,7 +159,7 @@ def test_left_padded_past_equals_the_row_alone(tiny_runtime: ModelRuntime) -> No
 
 
 def test_int8_variant_loads_and_runs(tiny_model_repository: Path, tiny_runtime: ModelRuntime, trained_tiny) -> None:
-    from service.generation import generate
+    from service.generation.search import generate
 
     int8 = ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="int8")
     assert (int8.variant, int8.provider) == ("int8", CPU)
@@ -259,7 +259,7 @@ def test_fp16_on_cuda(trained_tiny, tiny_tokenizer: Path, tmp_path: Path) -> Non
     from tiny_repository_model.decoding import greedy_decode, pad_batch
 
     from export.repository import write_repository
-    from service.generation import generate
+    from service.generation.search import generate
 
     out = tmp_path / "fp16"
     write_repository(trained_tiny.load(), tiny_tokenizer, out, task="translate", source_language="en",

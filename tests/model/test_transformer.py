@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.attention import causal_mask, padding_mask
 from model.config import ModelConfig
 from model.decoding import pad_batch
 from model.embedding import sinusoidal_encoding
+from model.multi_head_attention import causal_mask, padding_mask
 from tests.conftest import TINY_CONFIG
 
 

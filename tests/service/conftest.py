@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from service.app import create_app
+from service.api.app import create_app
 from service.settings import Settings
 from tests.service.fakes import FakeLoader, FakeModel, write_models
 

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-from service.app import create_app
+from service.api.app import create_app
 from tests.service.conftest import serving, tiny_settings, wait_until_settled
 
 pytestmark = pytest.mark.anyio

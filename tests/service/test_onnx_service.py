@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from model.checkpoint import load_model
 from model.decoding import beam_search, pad_batch
 from model.tokenizer import Tokenizer
-from service.app import create_app
+from service.api.app import create_app
 from tests.service.conftest import serving, tiny_settings, wait_until_settled
 
 pytestmark = pytest.mark.anyio

@@ -1,0 +1,35 @@
+"""Optional bearer-token auth of the inference routes (`ATTNSERVE_API_KEY`).
+
+With no key configured every request passes. With one, a request needs the header
+`Authorization: Bearer <key>`; the comparison is constant-time (`hmac.compare_digest`) and a
+missing or wrong token gets a 401 with the error body and `WWW-Authenticate: Bearer`.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from service.api.errors import Unauthorized
+from service.settings import Settings
+
+SCHEME = "bearer"
+
+
+def check_api_key(authorization: str | None, settings: Settings) -> None:
+    """Raise `Unauthorized` unless `authorization` carries the configured key (if any)."""
+    if settings.api_key is None:
+        return
+    expected = settings.api_key.get_secret_value().encode("utf-8")
+    scheme, _, token = (authorization or "").partition(" ")
+    given = token.strip().encode("utf-8", "surrogateescape")
+    # Compared even when the scheme is wrong, so the time does not tell which part failed.
+    matches = hmac.compare_digest(given, expected)
+    if scheme.lower() != SCHEME or not matches:
+        raise Unauthorized("a valid bearer token is required")
+
+
+async def require_api_key(request: Request) -> None:
+    """Dependency of the inference routers: the app's settings decide."""
+    check_api_key(request.headers.get("authorization"), request.app.state.settings)

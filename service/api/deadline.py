@@ -1,0 +1,61 @@
+"""Per-request deadlines: from the `X-Request-Timeout-Ms` header or the body, else the default.
+
+A request's budget is the first of: the body's `timeout_ms`, the header, the server's
+`request_timeout_s`; it never exceeds `request_timeout_s` (a client cannot hold the server
+longer than configured). The deadline is an instant on `time.perf_counter`, the clock of the
+batcher, which fails rows still queued past it without running them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from service.api.errors import InvalidInput
+from service.settings import Settings
+
+HEADER = "X-Request-Timeout-Ms"
+MAX_HEADER_CHARS = 12
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a request must be answered by (`perf_counter` seconds) and its budget."""
+
+    at: float
+    budget_s: float
+
+    def remaining(self) -> float:
+        """Seconds left (negative once passed)."""
+        return self.at - time.perf_counter()
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed."""
+        return self.remaining() <= 0
+
+
+def request_deadline(
+    request: Request, body_timeout_ms: int | None, settings: Settings, started: float
+) -> Deadline:
+    """The deadline of `request`, which started at `started` (`perf_counter`).
+
+    Raises `InvalidInput` (422) for a header that is not a positive whole number.
+    """
+    asked_ms = body_timeout_ms if body_timeout_ms is not None else _header_ms(request)
+    budget_s = settings.request_timeout_s
+    if asked_ms is not None:
+        budget_s = min(budget_s, asked_ms / 1000)
+    return Deadline(at=started + budget_s, budget_s=budget_s)
+
+
+def _header_ms(request: Request) -> int | None:
+    value = request.headers.get(HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value.isascii() or not value.isdigit() or len(value) > MAX_HEADER_CHARS \
+            or int(value) < 1:
+        raise InvalidInput(f"{HEADER}: a whole number of milliseconds, at least 1, is needed")
+    return int(value)

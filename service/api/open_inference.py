@@ -1,0 +1,292 @@
+"""The KServe v2 / Open Inference Protocol: its schemas and the conversion to and from texts.
+
+A model takes one BYTES input tensor `text` (any shape, usually `[N]`; one text per element)
+and gives two BYTES output tensors of the same shape: `output` (the generated texts) and
+`finish_reason` ("eos" or "length"). Request parameters `max_new_tokens` and `beam_size` are
+the options of `/v1/translate`; `binary_data_output` is the protocol's own.
+
+Tensors travel as JSON (`"data": ["...", ...]`) or with the binary tensor data extension:
+the body is the JSON header (its length in the `Inference-Header-Content-Length` header), then
+the tensors' bytes in input order, an input's size in its `binary_data_size` parameter; a BYTES
+element is a 4-byte little-endian length then that many bytes. Outputs are binary when the
+request asks (`binary_data` on a requested output, or `binary_data_output`). Problems are
+`InvalidInput` (400 on these routes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from service.api.errors import InvalidInput, describe_validation_errors
+from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS
+
+PLATFORM = "attnserve"
+MODEL_VERSION = "1"
+INPUT = "text"
+OUTPUTS = ("output", "finish_reason")
+BYTES = "BYTES"
+EXTENSIONS = ["binary_tensor_data"]
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_LENGTH = struct.Struct("<I")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+# ---------------------------------------------------------------- metadata
+
+
+class ServerMetadata(BaseModel):
+    """`GET /v2`."""
+
+    name: str
+    version: str
+    extensions: list[str]
+
+
+class TensorMetadata(BaseModel):
+    """One input or output of a model; -1 is a dimension of any size."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class ModelMetadata(BaseModel):
+    """`GET /v2/models/{name}`."""
+
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[TensorMetadata]
+    outputs: list[TensorMetadata]
+
+
+def model_metadata(name: str) -> ModelMetadata:
+    """The metadata of every model served here (they differ only by name)."""
+    return ModelMetadata(
+        name=name,
+        versions=[MODEL_VERSION],
+        platform=PLATFORM,
+        inputs=[TensorMetadata(name=INPUT, datatype=BYTES, shape=[-1])],
+        outputs=[TensorMetadata(name=n, datatype=BYTES, shape=[-1]) for n in OUTPUTS],
+    )
+
+
+# ---------------------------------------------------------------- inference request
+
+
+class InputTensor(BaseModel):
+    """An input tensor: data inline (JSON) or in the binary part (`binary_data_size`)."""
+
+    name: StrictStr
+    shape: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=8)]
+    datatype: StrictStr
+    parameters: dict[str, Any] | None = None
+    data: Any = None
+
+
+class RequestedOutput(BaseModel):
+    """An output asked for, optionally in binary (`{"binary_data": true}`)."""
+
+    name: StrictStr
+    parameters: dict[str, Any] | None = None
+
+
+class InferenceRequest(BaseModel):
+    """Body (or JSON header) of `POST /v2/models/{name}/infer`."""
+
+    id: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    inputs: Annotated[list[InputTensor], Field(min_length=1)]
+    outputs: list[RequestedOutput] | None = None
+
+
+class InferParameters(BaseModel):
+    """The request parameters understood here."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] | None = None
+    beam_size: Annotated[int, Field(ge=1, le=MAX_BEAM_SIZE)] = 1
+    binary_data_output: StrictBool = False
+
+
+class OutputTensor(BaseModel):
+    """An output tensor: `data` inline, or `binary_data_size` bytes in the binary part."""
+
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: list[str] | None = None
+
+
+class InferenceResponse(BaseModel):
+    """Body (or JSON header) of an infer response."""
+
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[OutputTensor]
+
+
+@dataclass(frozen=True)
+class Inference:
+    """What an infer request asks for, in the service's terms."""
+
+    id: str | None
+    texts: list[str]
+    shape: list[int]
+    max_new_tokens: int | None
+    beam_size: int
+    outputs: dict[str, bool]  # output name -> in binary
+
+
+def parse_request(body: bytes, header_length: str | None) -> Inference:
+    """The texts, options and outputs of an infer request (`InvalidInput` when malformed)."""
+    header, binary = _split(body, header_length)
+    try:
+        document = json.loads(header)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidInput("the request body is not valid JSON") from None
+    request = _validated(InferenceRequest, document)
+    parameters = _validated(InferParameters, request.parameters or {}, "parameters")
+    if len(request.inputs) != 1 or request.inputs[0].name != INPUT:
+        names = [tensor.name for tensor in request.inputs]
+        raise InvalidInput(f"inputs: expected one input {INPUT!r}, got {names}")
+    tensor = request.inputs[0]
+    texts = _texts(tensor, binary)
+    outputs = {name: parameters.binary_data_output for name in OUTPUTS}
+    if request.outputs is not None:
+        outputs = {}
+        for requested in request.outputs:
+            if requested.name not in OUTPUTS:
+                raise InvalidInput(f"outputs: unknown output {requested.name!r}; "
+                                   f"this model has {list(OUTPUTS)}")
+            binary_flag = (requested.parameters or {}).get("binary_data", False)
+            if not isinstance(binary_flag, bool):
+                raise InvalidInput(f"outputs.{requested.name}: binary_data must be a boolean")
+            outputs[requested.name] = binary_flag
+    return Inference(request.id, texts, list(tensor.shape), parameters.max_new_tokens,
+                     parameters.beam_size, outputs)
+
+
+def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    """The JSON header and the binary part of a body."""
+    if header_length is None:
+        return body, b""
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise InvalidInput(f"{HEADER_LENGTH} is not a number") from None
+    if not 0 < length <= len(body):
+        raise InvalidInput(f"{HEADER_LENGTH} {length} does not fit a body of {len(body)} bytes")
+    return body[:length], body[length:]
+
+
+def _validated(model: type[M], document: Any, where: str = "") -> M:
+    try:
+        return model.model_validate(document)
+    except ValidationError as error:
+        message = describe_validation_errors(error.errors())
+        raise InvalidInput(f"{where}: {message}" if where else message) from None
+
+
+def _texts(tensor: InputTensor, binary: bytes) -> list[str]:
+    """The texts of the `text` tensor, from its JSON data or the binary part."""
+    if tensor.datatype != BYTES:
+        raise InvalidInput(f"inputs.{INPUT}: datatype must be {BYTES}, got {tensor.datatype!r}")
+    count = math.prod(tensor.shape)
+    size = (tensor.parameters or {}).get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size != len(binary):
+            raise InvalidInput(f"inputs.{INPUT}: binary_data_size {size!r} does not match the "
+                               f"{len(binary)} bytes after the JSON header")
+        if tensor.data is not None:
+            raise InvalidInput(f"inputs.{INPUT}: give data or binary_data_size, not both")
+        elements = deserialize_bytes(binary)
+        try:
+            texts = [element.decode("utf-8") for element in elements]
+        except UnicodeDecodeError:
+            raise InvalidInput(f"inputs.{INPUT}: an element is not UTF-8 text") from None
+    else:
+        if binary:
+            raise InvalidInput("binary data after the JSON header, but no input has "
+                               "binary_data_size")
+        if tensor.data is None:
+            raise InvalidInput(f"inputs.{INPUT}: no data")
+        texts = list(_flatten(tensor.data))
+    if len(texts) != count:
+        raise InvalidInput(f"inputs.{INPUT}: shape {tensor.shape} holds {count} elements, "
+                           f"got {len(texts)}")
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise InvalidInput(f"inputs.{INPUT}[{i}]: the text is empty")
+    return texts
+
+
+def _flatten(data: Any) -> Iterator[str]:
+    """Elements of (nested) JSON lists, row-major; each must be a string."""
+    if isinstance(data, str):
+        yield data
+    elif isinstance(data, list):
+        for item in data:
+            yield from _flatten(item)
+    else:
+        raise InvalidInput(f"inputs.{INPUT}: {BYTES} elements must be strings")
+
+
+def deserialize_bytes(buffer: bytes) -> list[bytes]:
+    """BYTES elements of the binary extension: each a 4-byte little-endian length, then bytes."""
+    elements, offset = [], 0
+    while offset < len(buffer):
+        if offset + _LENGTH.size > len(buffer):
+            raise InvalidInput(f"inputs.{INPUT}: truncated binary data")
+        (length,) = _LENGTH.unpack_from(buffer, offset)
+        offset += _LENGTH.size
+        if offset + length > len(buffer):
+            raise InvalidInput(f"inputs.{INPUT}: truncated binary data")
+        elements.append(buffer[offset:offset + length])
+        offset += length
+    return elements
+
+
+def serialize_bytes(elements: Sequence[str]) -> bytes:
+    """The binary form of BYTES elements (UTF-8)."""
+    parts = []
+    for element in elements:
+        data = element.encode("utf-8")
+        parts.append(_LENGTH.pack(len(data)) + data)
+    return b"".join(parts)
+
+
+# ---------------------------------------------------------------- inference response
+
+
+def response_body(
+    model: str, inference: Inference, values: dict[str, list[str]]
+) -> tuple[bytes, int | None]:
+    """The response body and, when some output is binary, the length of its JSON header."""
+    tensors, chunks = [], []
+    for name, binary in inference.outputs.items():
+        tensor = OutputTensor(name=name, shape=inference.shape, datatype=BYTES)
+        if binary:
+            chunk = serialize_bytes(values[name])
+            tensor.parameters = {"binary_data_size": len(chunk)}
+            chunks.append(chunk)
+        else:
+            tensor.data = values[name]
+        tensors.append(tensor)
+    response = InferenceResponse(model_name=model, model_version=MODEL_VERSION,
+                                 id=inference.id, outputs=tensors)
+    header = response.model_dump_json(exclude_none=True).encode()
+    if not chunks:
+        return header, None
+    return header + b"".join(chunks), len(header)

@@ -1,0 +1,111 @@
+"""`POST /v1/translate` and `POST /v1/summarize`: texts in, generated texts out.
+
+The stages of one request (`service.api.pipeline`): schema validation (FastAPI), the configured
+limits, tokenization with the model's limits, admission into the model's batcher (429 when
+full), waiting for the batch under the request's deadline (504; `service.api.deadline`) while
+watching for the client to go away (`service.api.disconnect`), detokenization. With
+`return_attention`, one more teacher-forced pass over the outputs, in the model's worker
+thread, gives their cross-attention (`service.generation.attention_maps.alignments`; exact for greedy and beam
+search alike). With `stream`, one text is answered with Server-Sent Events
+(`service.api.streaming`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from service.api import pipeline, streaming
+from service.api.deadline import request_deadline
+from service.api.pipeline import attention_runtime, within_deadline
+from service.api.routes.deps import RegistryDep, SettingsDep
+from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
+from service.generation import attention_maps
+from service.registry import ModelRegistry, Runtime
+from service.settings import Settings
+
+router = APIRouter(tags=["generate"])
+
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 413, 415, 422, 429, 500, 503, 504)
+}
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ERROR_RESPONSES,
+    200: {"content": {streaming.MEDIA_TYPE: {
+        "schema": {"type": "string"},
+        "description": "with `stream`: one `data: {json}` event per token, then a final one",
+    }}},
+}
+
+
+@router.post("/v1/translate", response_model=GenerateResponse, responses=GENERATE_RESPONSES,
+             response_model_exclude_none=True)
+async def translate(
+    body: GenerateRequest, request: Request, registry: RegistryDep, settings: SettingsDep
+) -> Any:
+    """Translate one text or a list of texts with a translation model."""
+    return await _generate("translate", body, request, registry, settings)
+
+
+@router.post("/v1/summarize", response_model=GenerateResponse, responses=GENERATE_RESPONSES,
+             response_model_exclude_none=True)
+async def summarize(
+    body: GenerateRequest, request: Request, registry: RegistryDep, settings: SettingsDep
+) -> Any:
+    """Summarize one text or a list of texts with a summarization model."""
+    return await _generate("summarize", body, request, registry, settings)
+
+
+async def _generate(
+    task: str,
+    body: GenerateRequest,
+    request: Request,
+    registry: ModelRegistry,
+    settings: Settings,
+) -> GenerateResponse | Response:
+    started = time.perf_counter()
+    entry = registry.resolve(task, body.model)
+    request.state.model = entry.name  # the metrics label of this request
+    assert entry.runtime is not None and entry.batcher is not None
+    runtime = entry.runtime
+    texts = body.inputs
+    where = ["text"] if body.texts is None else [f"texts.{i}" for i in range(len(texts))]
+    # 422 now, rather than after generating, for a model without attention outputs.
+    maps_runtime = attention_runtime(runtime) if body.return_attention else None
+    prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
+                                where, started)
+    deadline = request_deadline(request, body.timeout_ms, settings, started)
+    if body.stream:
+        return streaming.stream(prepared, request.receive, settings, deadline)
+    sources = prepared.sources
+    results = await pipeline.generate(prepared, settings, deadline, request)
+    extras: list[dict[str, Any]] = [{} for _ in results]
+    if maps_runtime is not None:
+        generated = [(list(r.tokens), r.finish_reason == "eos") for r in results]
+        maps = await within_deadline(
+            entry.batcher.run(attention_maps.alignments, maps_runtime, sources, generated),
+            entry, started, settings, budget_s=deadline.budget_s,
+        )
+        for i, extra in enumerate(extras):
+            source_tokens, target_tokens = _alignment_labels(runtime, texts[i], *generated[i])
+            extra.update(attention=maps[i], source_tokens=source_tokens,
+                         target_tokens=target_tokens)
+    outputs = [
+        pipeline.output(runtime, source, result, **extra)
+        for source, result, extra in zip(sources, results, extras, strict=True)
+    ]
+    return GenerateResponse(model=entry.name, outputs=outputs, usage=pipeline.usage(outputs))
+
+
+def _alignment_labels(
+    runtime: Runtime, text: str, tokens: list[int], ended_with_eos: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The source's tokens (and `</s>`), and the output's (and `</s>` if generated)."""
+    tokenizer = runtime.tokenizer
+    source_ids, source_spans = tokenizer.encode_with_offsets(text)
+    source = attention_maps.labels(tokenizer.pieces(source_ids), source_spans, len(text), True)
+    output, target_spans = tokenizer.decode_with_offsets(tokens)
+    target = attention_maps.labels(tokenizer.pieces(tokens), target_spans, len(output), ended_with_eos)
+    return source, target

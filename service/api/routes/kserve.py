@@ -1,0 +1,151 @@
+"""KServe v2 / Open Inference Protocol REST routes (what `tritonclient[http]` speaks).
+
+`GET /v2`, `/v2/health/live`, `/v2/health/ready`, `/v2/models/{name}`,
+`/v2/models/{name}/ready`, `POST /v2/models/{name}/infer` (and the same under
+`/v2/models/{name}/versions/1/...`). Health answers 200 with an empty body when true, as the
+protocol asks. Errors on these routes have the protocol's body `{"error": "..."}`, with the
+service's statuses except that bad input is a 400 (not 422). Conversion: `service.api.open_inference`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+
+from service.api import open_inference, pipeline
+from service.api.auth import require_api_key
+from service.api.deadline import request_deadline
+from service.api.errors import ModelNotFound, ServiceError, describe_validation_errors, status_of
+from service.api.routes.deps import RegistryDep, SettingsDep
+from service.registry import ModelEntry, ModelRegistry
+
+logger = logging.getLogger(__name__)
+
+
+def kserve_error(status_code: int, message: str,
+                 headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The protocol's error body."""
+    return JSONResponse({"error": message}, status_code=status_code, headers=headers)
+
+
+class KServeRoute(APIRoute):
+    """A route whose errors take the protocol's shape (bad input: 400)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def protocol_errors(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ServiceError as error:
+                status = status_of(error)
+                return kserve_error(400 if status == 422 else status, error.message,
+                                    error.headers())
+            except RequestValidationError as error:
+                return kserve_error(400, describe_validation_errors(error.errors()))
+            except HTTPException as error:
+                return kserve_error(error.status_code, str(error.detail), error.headers)
+            except Exception as error:
+                logger.error("unhandled error on %s %s", request.method, request.url.path,
+                             exc_info=error)
+                return kserve_error(500, "internal error")
+
+        return protocol_errors
+
+
+router = APIRouter(tags=["kserve v2"], route_class=KServeRoute)
+ERROR: dict[str, Any] = {"content": {"application/json": {"example": {"error": "..."}}}}
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: ERROR for code in (400, 404, 413, 429, 500, 503, 504)
+}
+
+
+@router.get("/v2", responses=RESPONSES)
+async def server_metadata() -> open_inference.ServerMetadata:
+    """The server's name, version and protocol extensions."""
+    return open_inference.ServerMetadata(name="attnserve", version="0.1.0",
+                                 extensions=open_inference.EXTENSIONS)
+
+
+@router.get("/v2/health/live", responses=RESPONSES, response_class=Response)
+async def server_live() -> Response:
+    """200 while the process serves HTTP."""
+    return Response(status_code=200)
+
+
+@router.get("/v2/health/ready", responses=RESPONSES, response_class=Response)
+async def server_ready(registry: RegistryDep) -> Response:
+    """200 once every model is ready (as `/health/ready`); 503 otherwise."""
+    if not registry.ready:
+        return kserve_error(503, registry.not_ready_reason())
+    return Response(status_code=200)
+
+
+@router.get("/v2/models/{name}", responses=RESPONSES)
+@router.get("/v2/models/{name}/versions/{version}", responses=RESPONSES)
+async def model_metadata(
+    name: str, registry: RegistryDep, version: str = open_inference.MODEL_VERSION
+) -> open_inference.ModelMetadata:
+    """The model's inputs and outputs (known while it loads)."""
+    _known(registry, name, version)
+    return open_inference.model_metadata(name)
+
+
+@router.get("/v2/models/{name}/ready", responses=RESPONSES, response_class=Response)
+@router.get("/v2/models/{name}/versions/{version}/ready", responses=RESPONSES,
+            response_class=Response)
+async def model_ready(
+    name: str, registry: RegistryDep, version: str = open_inference.MODEL_VERSION
+) -> Response:
+    """200 when the model is ready; 503 while it loads or after it failed; 404 unknown."""
+    _known(registry, name, version)
+    registry.resolve(None, name)
+    return Response(status_code=200)
+
+
+@router.post("/v2/models/{name}/infer", responses=RESPONSES, dependencies=[Depends(require_api_key)])
+@router.post("/v2/models/{name}/versions/{version}/infer", responses=RESPONSES,
+             dependencies=[Depends(require_api_key)])
+async def infer(
+    name: str, request: Request, registry: RegistryDep, settings: SettingsDep,
+    version: str = open_inference.MODEL_VERSION,
+) -> Response:
+    """Generate for every element of the BYTES input `text`; JSON or binary tensors."""
+    _known(registry, name, version)
+    entry = registry.resolve(None, name)
+    request.state.model = entry.name  # the metrics label of this request
+    inference = open_inference.parse_request(await request.body(),
+                                     request.headers.get(open_inference.HEADER_LENGTH))
+    where = [f"inputs.{open_inference.INPUT}[{i}]" for i in range(len(inference.texts))]
+    prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
+                                inference.max_new_tokens, settings, where)
+    deadline = request_deadline(request, None, settings, prepared.started)  # header only
+    results = await pipeline.generate(prepared, settings, deadline, request)
+    outputs = [pipeline.output(prepared.runtime, source, result)
+               for source, result in zip(prepared.sources, results, strict=True)]
+    values: dict[str, list[str]] = {"output": [o.text for o in outputs],
+                                    "finish_reason": [o.finish_reason for o in outputs]}
+    body, header_length = open_inference.response_body(entry.name, inference, values)
+    if header_length is None:
+        return Response(body, media_type="application/json")
+    return Response(body, media_type="application/octet-stream",
+                    headers={open_inference.HEADER_LENGTH: str(header_length)})
+
+
+def _known(registry: ModelRegistry, name: str, version: str) -> ModelEntry:
+    """The model's entry (ready or not), or 404 for an unknown name or version."""
+    entry = next((e for e in registry.entries if e.name == name), None)
+    if entry is None:
+        raise ModelNotFound(f"no model {name!r} on this server")
+    if version != open_inference.MODEL_VERSION:
+        raise ModelNotFound(f"model {name!r} has no version {version!r}; "
+                            f"it has {open_inference.MODEL_VERSION!r}")
+    return entry
+

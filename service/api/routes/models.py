@@ -1,0 +1,42 @@
+"""`GET /v1/models`: every model, its state, execution provider, variant and batch counters."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from service.api.routes.deps import RegistryDep
+from service.api.schemas import BatchCounters, ModelCard, ModelList
+from service.registry import ModelEntry
+
+router = APIRouter(tags=["models"])
+
+
+@router.get("/v1/models")
+async def list_models(registry: RegistryDep) -> ModelList:
+    """The models found in the models folder, loaded or not."""
+    return ModelList(models=[_card(entry) for entry in registry.entries])
+
+
+def _card(entry: ModelEntry) -> ModelCard:
+    runtime, batcher = entry.runtime, entry.batcher
+    counters = batcher.counters if batcher is not None else None
+    return ModelCard(
+        name=entry.name,
+        task=entry.task,
+        state=entry.state,
+        ready=entry.state == "ready",
+        provider=runtime.provider if runtime else None,
+        variant=runtime.variant if runtime else None,
+        max_source_len=runtime.max_source_len if runtime else None,
+        max_target_len=runtime.max_target_len if runtime else None,
+        error=entry.error,
+        batching=BatchCounters(
+            continuous=batcher.continuous if batcher is not None else False,
+            workers=len(batcher.batchers) if batcher is not None else 0,
+            batches=counters.batches if counters else 0,
+            rows=counters.rows if counters else 0,
+            max_batch_rows=counters.max_batch_rows if counters else 0,
+            cancelled=counters.cancelled if counters else 0,
+            running=batcher.running if batcher is not None else 0,
+        ),
+    )

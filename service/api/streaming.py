@@ -1,0 +1,163 @@
+"""Server-Sent Events for `"stream": true` on `/v1/translate` and `/v1/summarize` (one text).
+
+The row is admitted into the batcher before the response starts, so overload, bad input and
+unknown models are ordinary JSON errors. Then the body (`text/event-stream`) is one
+`data: {json}` event per generated token, then a final one:
+
+    data: {"index": 0, "token": {"id": 9, "piece": "▁ciao"}, "delta": "ciao", "text": "ciao"}
+    ...
+    data: {"done": true, "model": "...", "delta": "", "output": {...}, "usage": {...}}
+
+`text` is the detokenized output so far and `delta` what it adds to the text sent before, so
+the deltas of all events (the final one included) concatenate to the output. Greedy decoding
+streams each token as the worker thread decodes it (`RowHooks.on_token`, handed to the event
+loop with `call_soon_threadsafe`); beam search streams the tokens of the final hypothesis once
+it is chosen. A failure after the stream started is one last event with the error body
+(`{"error": ..., "error_type": ...}`). When the client goes away, the row is cancelled: it
+leaves the queue, or the running batch at the next decoder step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive
+
+from service.api import pipeline
+from service.api.deadline import Deadline
+from service.api.errors import DeadlineExceeded, InternalError, ServiceError
+from service.api.pipeline import Prepared
+from service.batching.batcher import Generated, RowHooks
+from service.observability import metrics
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+MEDIA_TYPE = "text/event-stream"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def event(data: dict[str, Any]) -> bytes:
+    """One SSE event carrying `data` as JSON."""
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def stream(
+    prepared: Prepared, receive: Receive, settings: Settings, deadline: Deadline | None = None
+) -> StreamingResponse:
+    """Admit the request's one row (raising `Overloaded`/`NotReady` now) and stream it, within
+    `deadline` (default `request_timeout_s`)."""
+    batcher = prepared.entry.batcher
+    assert batcher is not None and len(prepared.sources) == 1
+    loop = asyncio.get_running_loop()
+    tokens: asyncio.Queue[int] = asyncio.Queue()
+    hooks = RowHooks(on_token=_threadsafe_put(loop, tokens))
+    [future] = batcher.enqueue(
+        prepared.sources, prepared.beam_size, prepared.max_new_tokens, hooks=[hooks],
+        deadline=deadline.at if deadline is not None else None,
+    )
+    budget_s = deadline.budget_s if deadline is not None else settings.request_timeout_s
+    body = _events(prepared, future, tokens, receive, budget_s)
+    return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
+
+
+def _threadsafe_put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[int]) -> Callable[[int], None]:
+    def put(token: int) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed (shutdown)
+            loop.call_soon_threadsafe(queue.put_nowait, token)
+
+    return put
+
+
+class _Text:
+    """The detokenized text of the tokens so far and what each token adds to it."""
+
+    def __init__(self, prepared: Prepared) -> None:
+        self.tokenizer = prepared.runtime.tokenizer
+        self.ids: list[int] = []
+        self.sent = ""  # the concatenation of the deltas sent
+
+    def add(self, token: int) -> dict[str, Any]:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        return {"index": len(self.ids) - 1,
+                "token": {"id": token, "piece": self.tokenizer.pieces([token])[0]},
+                "delta": self._delta(text), "text": text}
+
+    def _delta(self, text: str) -> str:
+        """The new end of `text`; empty while it does not extend what was sent (a byte piece
+        that is only part of a character, or a space the tokenizer strips at the end)."""
+        if not text.startswith(self.sent) or text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+async def _events(
+    prepared: Prepared,
+    future: asyncio.Future[Generated],
+    tokens: asyncio.Queue[int],
+    receive: Receive,
+    budget_s: float,
+) -> AsyncIterator[bytes]:
+    entry = prepared.entry
+    batcher = entry.batcher
+    assert batcher is not None
+    text = _Text(prepared)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    next_token: asyncio.Future[int] | None = None
+    try:
+        while True:
+            if next_token is None:
+                next_token = asyncio.ensure_future(tokens.get())
+            remaining = budget_s - (time.perf_counter() - prepared.started)
+            waiting: set[asyncio.Future[Any]] = {next_token, future, gone}
+            done, _ = await asyncio.wait(
+                waiting, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
+            )
+            if gone in done:
+                return  # `finally` cancels the row
+            if next_token in done:
+                yield event(text.add(next_token.result()))
+                next_token = None
+                continue
+            if future in done:
+                break
+            metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()
+            raise DeadlineExceeded(
+                f"no result within the deadline of {budget_s:g}s"
+            )
+        while not tokens.empty():  # sent by the worker before the batch ended
+            yield event(text.add(tokens.get_nowait()))
+        result = future.result()
+        for token in result.tokens[len(text.ids):]:  # beam search: the final hypothesis
+            yield event(text.add(token))
+        out = pipeline.output(prepared.runtime, prepared.sources[0], result)
+        final = {"done": True, "model": entry.name, "delta": out.text[len(text.sent):]
+                 if out.text.startswith(text.sent) else "",
+                 "output": out.model_dump(exclude_none=True),
+                 "usage": pipeline.usage([out]).model_dump()}
+        yield event(final)
+    except ServiceError as error:
+        yield event({"error": error.message, "error_type": error.error_type})
+    except Exception:
+        logger.exception("model %s: a streamed request failed", entry.name)
+        yield event({"error": "internal error", "error_type": InternalError.error_type})
+    finally:
+        gone.cancel()
+        if next_token is not None:
+            next_token.cancel()
+        batcher.cancel(future)  # nothing when the row finished; else it leaves the batch
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (the request body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,133 @@
+"""Several batchers for one model, each with its own worker thread and running batch.
+
+One decoder call leaves a CPU's cores partly idle: its small operators run on one thread, and
+the numpy work between two steps (sampling, joins, compaction) holds the worker thread while
+onnxruntime waits. Several running batches, each stepped by its own thread on its share of the
+cores, keep them busy instead (`bench/results/levers`: on a 2-core machine two to four workers
+measure within each other's spread, one worker clearly slower).
+onnxruntime sessions may be run from several threads at once, so the batchers share the
+model's sessions.
+
+A request goes whole to one batcher with room in its queue. Among those whose work (queued
+plus running rows) is within `length_slack` rows of the least, it goes to the one whose rows'
+mean source length is closest to its own (an idle batcher counts as a match). The batchers
+thus settle into bands of source length, and as output length follows source length in
+translation and summarization, each running batch holds rows of similar lengths: less source
+padding, and a shorter self-attention cache (a running batch's cache is as long as its oldest
+row's output). With `length_slack` 0 the least loaded batcher takes it. `run` calls
+(attention maps) go to the least loaded. `queue_depth` is published as the sum over the
+batchers, and the counters are summed (`max_batch_rows`: the largest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from service.batching.batcher import BatchCounters, Batcher, BatchLimits, Generated, RowHooks
+from service.observability import metrics
+
+T = TypeVar("T")
+
+
+class BatcherPool:
+    """The batchers of one model, used like one `Batcher`."""
+
+    def __init__(self, model: str, batchers: Sequence[Batcher], length_slack: int = 0) -> None:
+        if not batchers:
+            raise ValueError("a pool needs at least one batcher")
+        self.model = model
+        self.batchers = list(batchers)
+        self.length_slack = length_slack
+        self._owners: dict[asyncio.Future[Any], Batcher] = {}  # enqueued rows not yet done
+        for batcher in self.batchers:
+            batcher.on_depth = self._publish_depth
+
+    @property
+    def limits(self) -> BatchLimits:
+        """One batcher's limits (each has its own queue of `max_queue_size` rows)."""
+        return self.batchers[0].limits
+
+    @property
+    def depth(self) -> int:
+        """Rows admitted and not yet in a batch, over all batchers."""
+        return sum(b.depth for b in self.batchers)
+
+    @property
+    def running(self) -> int:
+        """Rows now generating (not cancelled), over all batchers."""
+        return sum(b.running for b in self.batchers)
+
+    @property
+    def continuous(self) -> bool:
+        return self.batchers[0].continuous
+
+    @property
+    def counters(self) -> BatchCounters:
+        """What the batchers have run since they started, together."""
+        all_counters = [b.counters for b in self.batchers]
+        return BatchCounters(
+            batches=sum(c.batches for c in all_counters), rows=sum(c.rows for c in all_counters),
+            max_batch_rows=max(c.max_batch_rows for c in all_counters),
+            cancelled=sum(c.cancelled for c in all_counters),
+        )
+
+    def start(self) -> None:
+        for batcher in self.batchers:
+            batcher.start()
+
+    def _pick(self, rows: int, source_len: float | None = None) -> Batcher:
+        """The batcher for `rows` new rows of mean length `source_len` (see the module's
+        docstring); when none has room in its queue, the least loaded (which refuses them)."""
+        with_room = [b for b in self.batchers if b.depth + rows <= b.limits.max_queue_size]
+        candidates = with_room or self.batchers
+        loads = [b.depth + b.running for b in candidates]
+        least = min(loads)
+        if source_len is None or not self.length_slack or not with_room:
+            return candidates[loads.index(least)]
+        near = [b for b, load in zip(candidates, loads, strict=True) if load <= least + self.length_slack]
+
+        def distance(batcher: Batcher) -> float:
+            count, tokens = batcher.source_tokens()
+            return abs(tokens / count - source_len) if count else 0.0
+
+        return min(near, key=distance)
+
+    def _pick_for(self, sources: list[list[int]]) -> Batcher:
+        return self._pick(len(sources), sum(map(len, sources)) / len(sources) if sources else None)
+
+    async def submit(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
+                     deadline: float | None = None) -> list[Generated]:
+        """`Batcher.submit` on the batcher chosen for `sources`."""
+        return await self._pick_for(sources).submit(sources, beam_size, max_new_tokens, deadline=deadline)
+
+    def enqueue(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
+                hooks: Sequence[RowHooks | None] | None = None,
+                deadline: float | None = None) -> list[asyncio.Future[Generated]]:
+        """`Batcher.enqueue` on the batcher chosen for `sources`; `cancel` finds it again."""
+        batcher = self._pick_for(sources)
+        futures = batcher.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline)
+        for future in futures:
+            self._owners[future] = batcher
+            future.add_done_callback(self._forget)
+        return futures
+
+    def _forget(self, future: asyncio.Future[Any]) -> None:
+        self._owners.pop(future, None)
+
+    def cancel(self, future: asyncio.Future[Generated]) -> str | None:
+        """`Batcher.cancel` on the batcher that holds the row (None when it is done)."""
+        batcher = self._owners.get(future)
+        return batcher.cancel(future) if batcher is not None else None
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the worker thread of the least loaded batcher, between its batches."""
+        return await self._pick(1).run(fn, *args)
+
+    async def close(self, timeout_s: float) -> None:
+        """Drain and stop every batcher (at most `timeout_s`, together)."""
+        await asyncio.gather(*(b.close(timeout_s) for b in self.batchers))
+
+    def _publish_depth(self) -> None:
+        metrics.QUEUE_DEPTH.labels(self.model).set(self.depth)

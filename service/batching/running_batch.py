@@ -1,0 +1,315 @@
+"""Continuous (iteration-level) batching of greedy decoding on the merged decoder: rows join
+between decoder steps.
+
+The service uses it for a model without a step graph (`decoder_step.onnx`); with one it uses
+`service.batching.slot_batch.SlotBatch`, which keeps each row's cache in its own slot and needs none of
+the padding, trimming and copying below. The helpers both share (`encode_newcomers`,
+`advance`) live here.
+
+A `RunningBatch` holds the rows now decoding. Between two decoder steps, new rows join (`add`:
+one encoder call for the newcomers; their cross keys/values are padded to the batch's source
+length and their self-attention cache is padded with masked positions), and a row leaves as
+soon as it finishes (`step` returns it). Each row keeps its own decoder positions (0, 1, ...
+from its own first step) and a (B, P) `target_mask` marks which cached positions are its own,
+so it decodes the tokens it would decode alone: masked keys get exactly zero weight. Cache
+columns that no remaining row uses (and source columns past the longest remaining source) are
+trimmed when rows leave, so the cache is as long as the oldest row's output, not as long as the
+batch has been running. TGI's `Seq2SeqLMBatch.concatenate` / `filter` follow the same idea.
+
+The rules of a row are those of `service.generation.search.greedy`: at most `max_new_tokens` tokens,
+EOS included; finish_reason "eos", "length" or "cancelled" (its hook's flag, seen between
+steps); `on_token` is called for every token kept. One caveat: with dynamically quantized
+(int8) graphs a row's activations are quantized with the whole batch's scale, so its tokens
+may depend on its neighbours -- as with any batching of those graphs.
+
+The state lives in host (numpy) arrays: with IO binding, the decoder's new cache comes to the
+host after every step (CPU: free, they share memory; CUDA: a copy per step, so IO binding gains
+nothing here until joining and compaction run on the device -- not written yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from service.generation.search import GenerationResult, RowHooks, Runtime, greedy_choice
+from service.runtime import EncoderState, KVCache, to_numpy
+
+Owner = TypeVar("Owner")
+
+
+@dataclass(eq=False)
+class Member(Generic[Owner]):
+    """One row of a running batch (`RunningBatch`, `SlotBatch`) and what it has decoded so far."""
+
+    owner: Owner
+    max_new_tokens: int
+    hooks: RowHooks | None
+    tokens: list[int] = field(default_factory=list)
+    score: float = 0.0  # summed log-probability of `tokens` (0 without the batch's `scores`)
+
+
+class RunningBatch(Generic[Owner]):
+    """The rows decoding together; `add` rows, call `step` until it is empty.
+
+    A finished row leaves the results at once but its slot stays in the arrays (decoding
+    padding, its outputs ignored). Newcomers take dead slots in place, writing only their own
+    rows, while there are enough and no cache columns to trim; otherwise, and when a quarter
+    of the slots are dead, one copy compacts the batch, trims unused columns and appends the
+    newcomers. That keeps the full-cache copies well under one per join.
+    """
+
+    pads_to_oldest = True  # a newcomer's cache is padded to the oldest row's length
+
+    def __init__(self, runtime: Runtime, compact_fraction: float = 0.25, padding_slack: float = 1.25,
+                 trim_slack: int = 4, scores: bool = True) -> None:
+        self.runtime = runtime
+        self.scores = scores  # results carry their summed log-probability (else None: no log-softmax per step)
+        self.compact_fraction = compact_fraction
+        self.trim_slack = trim_slack  # newcomers fill dead slots only while at most this many cache columns are unused
+        self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
+        self._members: list[Member[Owner] | None] = []  # None: a dead slot
+        self._source_mask = np.zeros((0, 0), dtype=bool)  # (B, S) True on real source tokens
+        self._cross_keys: list[np.ndarray] = []  # per decoder layer (B, h, S, d)
+        self._cross_values: list[np.ndarray] = []
+        self._keys: list[np.ndarray] = []  # per decoder layer (B, h, P, d)
+        self._values: list[np.ndarray] = []
+        self._target_mask = np.zeros((0, 0), dtype=bool)  # (B, P) True on a row's own positions
+        self._positions = np.zeros(0, dtype=np.int64)  # (B,) the position of each row's next input
+        self._last = np.zeros(0, dtype=np.int64)  # (B,) each row's next input token
+
+    def __len__(self) -> int:
+        """Rows still decoding (dead slots excluded)."""
+        return sum(member is not None for member in self._members)
+
+    @property
+    def slots(self) -> int:
+        """Rows of the arrays, dead slots included."""
+        return len(self._members)
+
+    @property
+    def owners(self) -> list[Owner]:
+        """The owner of each live row, in batch order."""
+        return [member.owner for member in self._members if member is not None]
+
+    @property
+    def source_len(self) -> int:
+        """The padded source length of the batch (0 when empty)."""
+        return int(self._source_mask.shape[1])
+
+    @property
+    def oldest_age(self) -> int:
+        """Decoder steps the oldest live row has run (0 when empty): the cache a newcomer would
+        be padded to, once the columns of finished rows are trimmed at the join."""
+        return max((len(m.tokens) for m in list(self._members) if m is not None), default=0)
+
+    @property
+    def cache_len(self) -> int:
+        """Cached decoder positions per row (0 when empty)."""
+        return int(self._target_mask.shape[1])
+
+    def add(
+        self,
+        sources: Sequence[list[int]],
+        owners: Sequence[Owner],
+        max_new_tokens: Sequence[int],
+        hooks: Sequence[RowHooks | None] | None = None,
+    ) -> None:
+        """Encode `sources` (ids ending with EOS) and join them to the batch before the next step."""
+        if not sources:
+            return
+        states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks, self.padding_slack)
+        if not self._fill_dead_slots(states, members):
+            self._rebuild(states)
+            self._members += members
+
+    def step(self) -> list[tuple[Owner, GenerationResult]]:
+        """One decoder step for every row; returns the rows that finished (they have left)."""
+        if not len(self):
+            return []
+        batch = self.slots
+        target_mask = np.concatenate([self._target_mask, np.ones((batch, 1), dtype=bool)], axis=1)
+        state = EncoderState(self._source_mask, self._cross_keys, self._cross_values)
+        cache = KVCache(self._keys, self._values)
+        out = self.runtime.decode(self._last[:, None], state, cache,
+                                  positions=self._positions[:, None], target_mask=target_mask)
+        best, chosen = greedy_choice(out.logits[:, -1], self.scores)  # (B,) each
+        finished = advance(self._members, best, chosen, self.runtime.eos_id, self.scores)
+        for i, _ in finished:
+            self._members[i] = None
+        self._keys = [to_numpy(k) for k in out.cache.keys]
+        self._values = [to_numpy(v) for v in out.cache.values]
+        self._target_mask = target_mask
+        self._positions = self._positions + 1
+        self._last = best.astype(np.int64)
+        live = len(self)
+        if not live:
+            self._members = []
+        elif self.slots - live > self.compact_fraction * self.slots:
+            self._rebuild([])
+        return [result for _, result in finished]
+
+    def cancel_all(self) -> list[Owner]:
+        """Drop every row (the batch failed); returns their owners."""
+        owners = self.owners
+        self._members = []
+        return owners
+
+    def _fill_dead_slots(self, newcomers: list[EncoderState], members: list[Member[Owner]]) -> bool:
+        """Put the newcomers into dead slots in place, without copying the batch, when there
+        are enough, at most `trim_slack` cache columns are unused and no newcomer's source is
+        longer than the batch's; False if not (then `_rebuild` does it). A slot's old cache positions are masked for its newcomer, as the
+        padding positions a rebuild gives it are, so it decodes the same tokens."""
+        dead = [i for i, member in enumerate(self._members) if member is None]
+        if (len(dead) < len(members) or self.cache_len - self.oldest_age > self.trim_slack
+                or any(state.source_mask.shape[1] > self.source_len for state in newcomers)):
+            return False  # too few slots, columns to trim, or a longer source: copy the batch
+        start = 0
+        for state in newcomers:  # a group encoded together: (count, width) sources
+            count, width = state.source_mask.shape
+            rows = np.asarray(dead[start:start + count], dtype=np.int64)
+            start += count
+            for layer, (keys, values) in enumerate(zip(state.cross_keys, state.cross_values, strict=True)):
+                for target, new in ((self._cross_keys[layer], to_numpy(keys)),
+                                    (self._cross_values[layer], to_numpy(values))):
+                    target[rows] = 0  # (count, h, S, d)
+                    target[rows, :, :width] = new
+                self._keys[layer][rows] = 0  # (count, h, P, d): masked, cleared all the same
+                self._values[layer][rows] = 0
+            self._source_mask[rows] = False
+            self._source_mask[rows, :width] = state.source_mask
+            self._target_mask[rows] = False
+            self._positions[rows] = 0
+            self._last[rows] = self.runtime.bos_id
+        for slot, member in zip(dead, members, strict=False):
+            self._members[slot] = member
+        return True
+
+    def _rebuild(self, newcomers: list[EncoderState]) -> None:
+        """One copy of every array: live rows kept, columns no live row uses trimmed, the
+        newcomers (encoded in groups) appended: cross keys/values padded to the longest source,
+        cache positions masked, position 0, BOS."""
+        keep = np.asarray([i for i, m in enumerate(self._members) if m is not None], dtype=np.int64)
+        self._members = [m for m in self._members if m is not None]
+        kept = len(keep)
+        count = sum(state.source_mask.shape[0] for state in newcomers)
+        rows = kept + count
+        if kept:  # cache columns from the oldest live row's first position, source to the longest
+            used = np.flatnonzero(self._target_mask[keep].any(axis=0))
+            first = int(used[0]) if used.size else self.cache_len
+            used_source = np.flatnonzero(self._source_mask[keep].any(axis=0))
+            end = int(used_source[-1]) + 1 if used_source.size else 0
+        else:
+            first, end = self.cache_len, 0
+        past = self.cache_len - first if kept else 0
+        source_len = max([end, *(state.source_mask.shape[1] for state in newcomers)])
+        new_cross = [([to_numpy(k) for k in state.cross_keys], [to_numpy(v) for v in state.cross_values])
+                     for state in newcomers]
+        template = self._cross_keys[0] if self._cross_keys else new_cross[0][0][0]
+        layers = len(self._cross_keys) if self._cross_keys else len(new_cross[0][0])
+        heads, head_dim = template.shape[1], template.shape[3]
+        cache_dtype = self._keys[0].dtype if self._keys else self.runtime.cache_dtype  # type: ignore[attr-defined]
+
+        def gather(old: np.ndarray | None, new: list[np.ndarray], length: int, start: int,
+                   dtype: np.dtype) -> np.ndarray:
+            """(rows, h, length, d): kept rows' columns start..start+length, then each `new`."""
+            out = np.zeros((rows, heads, length, head_dim), dtype=dtype)
+            if kept and old is not None:
+                part = old[:, :, start:start + length]  # (B, h, <= length, d)
+                if part.shape[2] == length:  # straight into place ("clip": no buffered copy)
+                    np.take(part, keep, axis=0, out=out[:kept], mode="clip")
+                else:
+                    out[:kept, :, : part.shape[2]] = part[keep]
+            row = kept
+            for array in new:
+                out[row:row + array.shape[0], :, : array.shape[2]] = array
+                row += array.shape[0]
+            return out
+
+        old_keys: list[np.ndarray | None] = list(self._cross_keys) if kept else [None] * layers
+        old_values: list[np.ndarray | None] = list(self._cross_values) if kept else [None] * layers
+        self._cross_keys = [gather(old_keys[i], [c[0][i] for c in new_cross], source_len, 0, template.dtype)
+                            for i in range(layers)]
+        self._cross_values = [gather(old_values[i], [c[1][i] for c in new_cross], source_len, 0, template.dtype)
+                              for i in range(layers)]
+        past_keys: list[np.ndarray | None] = list(self._keys) if self._keys else [None] * layers
+        past_values: list[np.ndarray | None] = list(self._values) if self._values else [None] * layers
+        self._keys = [gather(k if kept else None, [], past, first, cache_dtype) for k in past_keys]
+        self._values = [gather(v if kept else None, [], past, first, cache_dtype) for v in past_values]
+        source_mask = np.zeros((rows, source_len), dtype=bool)
+        target_mask = np.zeros((rows, past), dtype=bool)
+        if kept:
+            source_mask[:kept, :end] = self._source_mask[keep, :end]
+            target_mask[:kept] = self._target_mask[keep, first:]
+        row = kept
+        for state in newcomers:
+            source_mask[row:row + state.source_mask.shape[0], : state.source_mask.shape[1]] = state.source_mask
+            row += state.source_mask.shape[0]
+        self._source_mask, self._target_mask = source_mask, target_mask
+        self._positions = np.concatenate([self._positions[keep], np.zeros(count, dtype=np.int64)])
+        self._last = np.concatenate([self._last[keep], np.full(count, self.runtime.bos_id, dtype=np.int64)])
+
+
+def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Sequence[Owner],
+                     max_new_tokens: Sequence[int], hooks: Sequence[RowHooks | None] | None,
+                     padding_slack: float) -> tuple[list[EncoderState], list[Member[Owner]]]:
+    """Check the newcomers, sort them by source length and encode them in groups of similar
+    length (`_length_groups`); returns each group's encoder state and the members in that order."""
+    if len(owners) != len(sources) or len(max_new_tokens) != len(sources):
+        raise ValueError("one owner and one max_new_tokens per source")
+    if any(not source for source in sources) or min(max_new_tokens) < 1:
+        raise ValueError("every source needs its EOS and max_new_tokens >= 1")
+    hooks = hooks if hooks is not None else [None] * len(sources)
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    groups = _length_groups([len(sources[i]) for i in order], padding_slack)
+    states = [runtime.encode(runtime.pad([sources[order[i]] for i in group])) for group in groups]
+    return states, [Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+
+
+def advance(members: Sequence[Member[Owner] | None], best: np.ndarray, chosen: np.ndarray | None, eos: int,
+            scores: bool) -> list[tuple[int, tuple[Owner, GenerationResult]]]:
+    """Give each live row (None: a dead slot) its token of this step, `best[i]` (and its
+    log-probability `chosen[i]`, when scored), by the rules of `service.generation.search.greedy`;
+    returns the rows that finished, with their index."""
+    finished: list[tuple[int, tuple[Owner, GenerationResult]]] = []
+    for i, member in enumerate(members):
+        if member is None:
+            continue
+        token = int(best[i])
+        if chosen is not None:
+            member.score += float(chosen[i])
+        reason = None
+        if token == eos:
+            reason = "eos"
+        else:
+            member.tokens.append(token)
+            if member.hooks is not None and member.hooks.on_token is not None:
+                member.hooks.on_token(token)
+            if len(member.tokens) >= member.max_new_tokens:
+                reason = "length"
+            elif member.hooks is not None and member.hooks.cancelled:
+                reason = "cancelled"
+        if reason is not None:
+            score = member.score if scores else None
+            finished.append((i, (member.owner, GenerationResult(member.tokens, reason, score))))
+    return finished
+
+
+def _length_groups(lengths: list[int], slack: float) -> list[list[int]]:
+    """Split positions of ascending `lengths` into runs whose padded size (rows x longest) stays
+    within `slack` x their real tokens: one encoder call per run, little padding."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for index, length in enumerate(lengths):
+        if current and (len(current) + 1) * length > slack * (real + length):
+            groups.append(current)
+            current, real = [], 0
+        current.append(index)
+        real += length
+    if current:
+        groups.append(current)
+    return groups

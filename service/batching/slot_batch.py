@@ -1,0 +1,225 @@
+"""Continuous batching over the decoder step graph: each row decodes in its own slot.
+
+The same contract as `service.batching.running_batch.RunningBatch` (`add` rows between steps, `step`
+returns the rows that finished, `cancel_all`; the rules of a row are `service.generation.search.greedy`'s),
+but on the runtime's step graph (`runtime.step`, `export.step_graph`) instead of the merged
+decoder. Each row's keys/values stay in its slot of fixed `CacheBuffers` (row b: columns
+0..its length-1); the graph attends over each row's own length and writes the new column in
+place. So a newcomer joins without a copy of the batch and without its cache being padded to
+the oldest row's, and a step costs what its rows' own lengths cost. The batcher's join age
+limit (`max_join_age`) exists for the padded cache and does not apply here (`pads_to_oldest`).
+
+The live rows stay dense in slots 0..n-1: when rows finish, the last live rows move into their
+holes (a copy of those rows' own columns). Slots grow by doubling, cache columns to the next
+multiple of 32, the cross keys/values' source width to the newcomers' (one copy of the live
+rows each time); they shrink again when at most a quarter of the slots, or half of the columns
+or of the source width, is in use. Newcomers' cross keys/values
+are padded to the batch's source width; the padding is masked, as in `RunningBatch`.
+
+The same caveat as `RunningBatch`: with int8 graphs a row's activations are quantized with the
+whole batch's scale, so its tokens may depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Generic, Protocol
+
+import numpy as np
+import onnxruntime as ort
+
+from service.batching.running_batch import Member, Owner, advance, encode_newcomers
+from service.generation.search import GenerationResult, RowHooks, Runtime, greedy_choice
+from service.runtime import to_numpy
+from service.runtime.step_buffers import CacheBuffers, run_step
+
+
+class StepRuntime(Runtime, Protocol):
+    """What a `SlotBatch` uses of `service.runtime.ModelRuntime`."""
+
+    @property
+    def step(self) -> ort.InferenceSession | None: ...
+    @property
+    def n_decoder_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+COLUMN_QUANTUM = 32  # cache columns grow to the next multiple of this, not by doubling
+
+
+def _doubled(size: int, needed: int) -> int:
+    """`size` doubled until it holds `needed`."""
+    size = max(size, 1)
+    while size < needed:
+        size *= 2
+    return size
+
+
+def _columns(needed: int) -> int:
+    """Cache columns for `needed` positions: the next multiple of `COLUMN_QUANTUM`. Every slot
+    gets the longest row's columns, so doubling would give every row up to twice the cache
+    one long row needs; a few more copies as that row grows cost less."""
+    return -(-needed // COLUMN_QUANTUM) * COLUMN_QUANTUM
+
+
+class SlotBatch(Generic[Owner]):
+    """The rows decoding together on the step graph; `add` rows, call `step` until it is empty."""
+
+    pads_to_oldest = False  # a newcomer's cache is its own: joins cost the same at any age
+
+    def __init__(self, runtime: StepRuntime, padding_slack: float = 1.25, scores: bool = True,
+                 rows: int = 8, capacity: int = 32) -> None:
+        if runtime.step is None:
+            raise ValueError("the runtime has no step graph (decoder_step.onnx): use RunningBatch")
+        self.runtime = runtime
+        self.scores = scores  # results carry their summed log-probability (else None)
+        self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
+        self._initial = (rows, capacity)
+        self._members: list[Member[Owner]] = []  # live rows: slot i holds self._members[i]
+        heads, head_dim = runtime.n_heads, runtime.head_dim
+        self._buffers = CacheBuffers(runtime.n_decoder_layers, rows, heads, capacity, head_dim)
+        # cross_key.0, cross_value.0, ...: (slots, h, S, d); the padding past a row's source is masked
+        self._cross = [np.zeros((rows, heads, 0, head_dim), dtype=np.float32)
+                       for _ in range(2 * runtime.n_decoder_layers)]
+        self._source_mask = np.zeros((rows, 0), dtype=bool)  # (slots, S) True on real source tokens
+        self._positions = np.zeros(rows, dtype=np.int64)  # (slots,) each row's cached length
+        self._last = np.zeros(rows, dtype=np.int64)  # (slots,) each row's next input token
+
+    def __len__(self) -> int:
+        """Rows still decoding."""
+        return len(self._members)
+
+    @property
+    def slots(self) -> int:
+        """Rows the buffers hold."""
+        return self._buffers.rows
+
+    @property
+    def capacity(self) -> int:
+        """Cache columns per slot."""
+        return self._buffers.capacity
+
+    @property
+    def source_len(self) -> int:
+        """The source width of the cross keys/values."""
+        return int(self._source_mask.shape[1])
+
+    @property
+    def owners(self) -> list[Owner]:
+        """The owner of each live row, in slot order."""
+        return [member.owner for member in self._members]
+
+    @property
+    def oldest_age(self) -> int:
+        """Decoder steps the oldest live row has run (0 when empty)."""
+        return max((len(m.tokens) for m in list(self._members)), default=0)
+
+    def add(
+        self,
+        sources: Sequence[list[int]],
+        owners: Sequence[Owner],
+        max_new_tokens: Sequence[int],
+        hooks: Sequence[RowHooks | None] | None = None,
+    ) -> None:
+        """Encode `sources` (ids ending with EOS) and put them in the next free slots."""
+        if not sources:
+            return
+        states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks, self.padding_slack)
+        live = len(self._members)
+        rows = live + len(members)
+        width = max(state.source_mask.shape[1] for state in states)
+        if rows > self.slots or width > self.source_len:
+            self._resize(_doubled(self.slots, rows), self.capacity, max(width, self.source_len))
+        row = live
+        for state in states:  # a group encoded together: (count, w) sources
+            count, w = state.source_mask.shape
+            cross = [t for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
+            for target, new in zip(self._cross, cross, strict=True):
+                target[row:row + count, :, :w] = to_numpy(new)  # (count, h, w, d)
+                target[row:row + count, :, w:] = 0
+            self._source_mask[row:row + count] = False
+            self._source_mask[row:row + count, :w] = state.source_mask
+            row += count
+        self._positions[live:rows] = 0  # the slot's old columns are never read: the graph reads 0..position
+        self._last[live:rows] = self.runtime.bos_id
+        self._members += members
+
+    def step(self) -> list[tuple[Owner, GenerationResult]]:
+        """One decoder step for every row; returns the rows that finished (they have left)."""
+        live = len(self._members)
+        if not live:
+            return []
+        needed = int(self._positions[:live].max()) + 1  # the columns this step writes up to
+        if needed > self.capacity:
+            self._resize(self.slots, _columns(needed), self.source_len)
+        assert self.runtime.step is not None
+        logits = run_step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
+                          self._source_mask[:live], [c[:live] for c in self._cross], self._buffers)  # (n, V)
+        best, chosen = greedy_choice(logits, self.scores)  # (n,) each
+        finished = advance(self._members, best, chosen, self.runtime.eos_id, self.scores)
+        self._positions[:live] += 1
+        self._last[:live] = best
+        if finished:
+            self._remove(sorted(i for i, _ in finished))
+        return [result for _, result in finished]
+
+    def cancel_all(self) -> list[Owner]:
+        """Drop every row (the batch failed); returns their owners."""
+        owners = self.owners
+        self._members = []
+        return owners
+
+    def _remove(self, finished: list[int]) -> None:
+        """Take the finished slots (ascending) out: the last live rows move into the holes."""
+        live = len(self._members)
+        left = live - len(finished)
+        gone = set(finished)
+        holes = np.asarray([i for i in finished if i < left], dtype=np.int64)
+        movers = np.asarray([i for i in range(left, live) if i not in gone], dtype=np.int64)
+        if holes.size:
+            self._buffers.move_rows(movers, holes, int(self._positions[movers].max()))
+            for array in (*self._cross, self._source_mask, self._positions, self._last):
+                array[holes] = array[movers]
+            for hole, mover in zip(holes.tolist(), movers.tolist(), strict=True):
+                self._members[hole] = self._members[mover]
+        del self._members[left:]
+        self._shrink()
+
+    def _shrink(self) -> None:
+        """Smaller arrays when at most a quarter of the slots, or half the columns or the source
+        width, is in use (never below the initial sizes)."""
+        live = len(self._members)
+        rows, capacity = self._initial
+        used_columns = int(self._positions[:live].max()) + 1 if live else 0
+        used_source = np.flatnonzero(self._source_mask[:live].any(axis=0))
+        width = int(used_source[-1]) + 1 if used_source.size else 0
+        new_rows = self.slots if 4 * live > self.slots else max(rows, _doubled(rows, 2 * live))
+        new_capacity = self.capacity if 2 * used_columns > self.capacity else max(capacity, _columns(used_columns))
+        new_width = self.source_len if 2 * width > self.source_len else width
+        if (new_rows, new_capacity, new_width) != (self.slots, self.capacity, self.source_len):
+            self._resize(new_rows, new_capacity, new_width)
+
+    def _resize(self, rows: int, capacity: int, width: int) -> None:
+        """New arrays of `rows` slots, `capacity` columns and source width `width`, with the
+        live rows copied (one copy)."""
+        live = len(self._members)
+        if (rows, capacity) != (self.slots, self.capacity):
+            columns = min(capacity, int(self._positions[:live].max())) if live else 0
+            self._buffers = self._buffers.resized(rows, capacity, live, columns)
+        kept = min(width, self.source_len)
+        cross = []
+        for old in self._cross:
+            new = np.zeros((rows, old.shape[1], width, old.shape[3]), dtype=old.dtype)
+            new[:live, :, :kept] = old[:live, :, :kept]
+            cross.append(new)
+        self._cross = cross
+        mask = np.zeros((rows, width), dtype=bool)
+        mask[:live, :kept] = self._source_mask[:live, :kept]
+        self._source_mask = mask
+        for name in ("_positions", "_last"):
+            new_vector = np.zeros(rows, dtype=np.int64)
+            new_vector[:live] = getattr(self, name)[:live]
+            setattr(self, name, new_vector)

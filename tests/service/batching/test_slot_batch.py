@@ -1,0 +1,129 @@
+"""Continuous batching on the step graph (`SlotBatch`): slots stay dense, the buffers grow and
+shrink with copies that keep every row's tokens, and joins never copy the cache. The contract
+shared with `RunningBatch` is tested in test_running_batch.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from service.batching.running_batch import RunningBatch
+from service.batching.slot_batch import SlotBatch
+from service.generation.search import GenerationResult, generate
+from service.runtime import ModelRuntime
+
+EOS = 3
+
+
+@pytest.fixture(scope="module")
+def sources(trained_tiny) -> list[list[int]]:
+    return ([s + [EOS] for s in trained_tiny.valid.sources[:14]]
+            + [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS], [19] * 10 + [EOS]])
+
+
+def _alone(runtime: ModelRuntime, source: list[int], limit: int) -> GenerationResult:
+    return generate(runtime, [source], 1, limit)[0]
+
+
+def _finish(batch: SlotBatch, results: dict) -> None:
+    while len(batch):
+        results.update(batch.step())
+
+
+def test_slots_rows_and_source_width_grow_by_doubling_and_keep_every_row(tiny_runtime: ModelRuntime,
+                                                                          sources) -> None:
+    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=2)
+    short = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    batch.add([sources[short[0]]], [short[0]], [14])
+    width = batch.source_len
+    for _ in range(3):  # 3 steps: the cache outgrows 2 columns
+        batch.step()
+    assert batch.capacity == 32  # the next multiple of 32 columns, not a doubling
+    later = short[-5:]  # five longer sources: more rows than slots, a wider source
+    batch.add([sources[i] for i in later], later, [14] * 5)
+    assert batch.slots == 8 and batch.source_len > width
+    results: dict[int, GenerationResult] = {}
+    _finish(batch, results)
+    for owner in [short[0], *later]:
+        expected = _alone(tiny_runtime, sources[owner], 14)
+        assert (results[owner].tokens, results[owner].finish_reason) == (expected.tokens, expected.finish_reason)
+
+
+def test_finished_rows_leave_holes_that_the_last_rows_fill(tiny_runtime: ModelRuntime, sources) -> None:
+    batch: SlotBatch[str] = SlotBatch(tiny_runtime)
+    batch.add(sources[:4], ["a", "b", "c", "d"], [1, 12, 1, 12])
+    order = batch.owners  # slot order (sorted by source length)
+    finished = [owner for owner, _ in batch.step()]
+    assert sorted(finished) == ["a", "c"]
+    # survivors in slots 0 and 1: one already there stays, the other moves into the hole
+    movers = iter(owner for owner in order[2:] if owner not in finished)
+    assert batch.owners == [owner if owner not in finished else next(movers) for owner in order[:2]]
+    assert batch._positions[:2].tolist() == [1, 1]  # each with its own position (one step decoded)
+    results: dict[str, GenerationResult] = {}
+    _finish(batch, results)
+    for owner, source in (("b", sources[1]), ("d", sources[3])):
+        assert results[owner].tokens == _alone(tiny_runtime, source, 12).tokens
+
+
+def test_a_join_writes_into_the_buffers_without_copying_them(tiny_runtime: ModelRuntime, sources) -> None:
+    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=8)
+    longest = max(sources, key=len)
+    batch.add([longest], [0], [12])
+    batch.step()
+    buffers, cross = batch._buffers.arrays[0], batch._cross[0]
+    batch.add(sources[:3], [1, 2, 3], [12, 12, 12])  # room in the slots, sources no wider
+    assert batch._buffers.arrays[0] is buffers and batch._cross[0] is cross
+    results: dict[int, GenerationResult] = {}
+    _finish(batch, results)
+    for owner, source in enumerate([longest, *sources[:3]]):
+        assert results[owner].tokens == _alone(tiny_runtime, source, 12).tokens
+
+
+def test_the_buffers_shrink_when_few_rows_are_left(tiny_runtime: ModelRuntime, sources) -> None:
+    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=4)
+    batch.add(sources[:12], list(range(12)), [1] * 11 + [14])
+    assert batch.slots == 16
+    batch.step()  # eleven rows leave at their token limit
+    assert len(batch) == 1 and batch.slots == 2
+    results: dict[int, GenerationResult] = {}
+    _finish(batch, results)
+    assert results[11].tokens == _alone(tiny_runtime, sources[11], 14).tokens
+
+
+def test_without_a_step_graph_there_is_no_slot_batch(tiny_runtime: ModelRuntime) -> None:
+    merged_only = dataclasses.replace(tiny_runtime, step=None)
+    with pytest.raises(ValueError, match="step graph"):
+        SlotBatch(merged_only)
+    from service.registry import onnx_running_batch
+    from service.settings import Settings
+
+    factory = onnx_running_batch(Settings())
+    assert isinstance(factory(merged_only)(), RunningBatch)
+    assert isinstance(factory(tiny_runtime)(), SlotBatch)
+
+
+def test_the_step_graph_is_loaded_on_the_cpu_for_each_variant(tiny_model_repository) -> None:
+    for variant in ("fp32", "int8"):
+        runtime = ModelRuntime.load(tiny_model_repository, providers=["CPUExecutionProvider"], variant=variant)
+        assert runtime.step is not None
+        assert runtime.manifest.variants[variant].step_decoder.endswith("decoder_step.onnx")
+        runtime.warmup()
+
+
+def test_int8_rows_decode_as_in_the_merged_decoder_batch(tiny_model_repository, sources) -> None:
+    """The int8 step graph in a running batch gives the merged int8 decoder's tokens (each row alone)."""
+    runtime = ModelRuntime.load(tiny_model_repository, providers=["CPUExecutionProvider"], variant="int8")
+    batch: SlotBatch[int] = SlotBatch(runtime)
+    rng = np.random.default_rng(1)
+    pending = list(range(len(sources)))
+    results: dict[int, GenerationResult] = {}
+    while pending or len(batch):
+        take = [pending.pop() for _ in range(min(len(pending), int(rng.integers(0, 3))))]
+        if take:
+            batch.add([sources[i] for i in take], take, [12] * len(take))
+        results.update(batch.step())
+    agree = sum(results[i].tokens == _alone(runtime, sources[i], 12).tokens for i in range(len(sources)))
+    # int8 activations are quantized per batch: a neighbour may move a close call, rarely
+    assert agree >= len(sources) - 1
