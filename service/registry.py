@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from service.api.errors import ModelNotFound, NotReady
 from service.batching.batcher import Batcher, BatchLimits, GenerateFn, RunningBatchLike
 from service.batching.pool import BatcherPool
+from service.errors import ModelNotFound, NotReady
 from service.observability import metrics
 from service.settings import Settings
 

@@ -13,7 +13,7 @@ from typing import Annotated, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.api import schemas
+from service import limits
 
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -95,13 +95,13 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")
 
     # Input limits (at most the hard caps of `service.api.schemas`).
-    max_texts: int = Field(default=16, ge=1, le=schemas.MAX_TEXTS)
-    max_text_chars: int = Field(default=2000, ge=1, le=schemas.MAX_TEXT_CHARS)
+    max_texts: int = Field(default=16, ge=1, le=limits.MAX_TEXTS)
+    max_text_chars: int = Field(default=2000, ge=1, le=limits.MAX_TEXT_CHARS)
     max_input_tokens: int | None = Field(
         default=None, ge=1, description="source tokens per text; None = the model's limit"
     )
     default_max_new_tokens: int | None = Field(
-        default=None, ge=1, le=schemas.MAX_NEW_TOKENS, description="None = the model's limit"
+        default=None, ge=1, le=limits.MAX_NEW_TOKENS, description="None = the model's limit"
     )
     max_body_bytes: int = Field(default=1_000_000, ge=1024, description="larger: 413")
 

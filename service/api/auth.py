@@ -11,7 +11,7 @@ import hmac
 
 from fastapi import Request
 
-from service.api.errors import Unauthorized
+from service.errors import Unauthorized
 from service.settings import Settings
 
 SCHEME = "bearer"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from service.api.errors import InvalidInput
+from service.errors import InvalidInput
 from service.settings import Settings
 
 HEADER = "X-Request-Timeout-Ms"

@@ -24,8 +24,9 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from service.api.errors import InvalidInput, describe_validation_errors
-from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS
+from service.api.errors import describe_validation_errors
+from service.errors import InvalidInput
+from service.limits import MAX_BEAM_SIZE, MAX_NEW_TOKENS
 
 PLATFORM = "attnserve"
 MODEL_VERSION = "1"

@@ -18,9 +18,9 @@ from starlette.requests import Request
 
 from service.api.deadline import Deadline
 from service.api.disconnect import unless_disconnected
-from service.api.errors import DeadlineExceeded, InvalidInput
 from service.api.schemas import Output, Usage
 from service.batching.batcher import Generated
+from service.errors import DeadlineExceeded, InvalidInput
 from service.generation import attention_maps
 from service.observability import metrics
 from service.registry import ModelEntry, Runtime

@@ -1,6 +1,6 @@
 """Transport schemas of the HTTP API: what goes over the wire, with its hard limits.
 
-The limits here are ceilings fixed in code; the configured ones (`Settings.max_texts`,
+The hard limits are the ceilings of `service.limits`; the configured ones (`Settings.max_texts`,
 `max_text_chars`, the model's token limits) are at most these and are checked after parsing,
 with the same 422 error body. Internal types (batch items, generations) live elsewhere.
 """
@@ -12,13 +12,15 @@ from typing import Annotated, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, model_validator
 
-MAX_TEXTS = 256
-MAX_TEXT_CHARS = 100_000
-MAX_BEAM_SIZE = 8
-MAX_NEW_TOKENS = 4096
-MAX_ATTENTION_INDICES = 256  # layers or heads listed in one /v1/attention request
-MAX_DECIMALS = 8
-MAX_TIMEOUT_MS = 3_600_000
+from service.limits import (
+    MAX_ATTENTION_INDICES,
+    MAX_BEAM_SIZE,
+    MAX_DECIMALS,
+    MAX_NEW_TOKENS,
+    MAX_TEXT_CHARS,
+    MAX_TEXTS,
+    MAX_TIMEOUT_MS,
+)
 
 # Control characters but tab and newlines, and the surrogate code points (JSON "\ud800").
 _REFUSED_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")

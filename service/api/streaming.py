@@ -32,9 +32,9 @@ from starlette.types import Receive
 
 from service.api import pipeline
 from service.api.deadline import Deadline
-from service.api.errors import DeadlineExceeded, InternalError, ServiceError
 from service.api.pipeline import Prepared
 from service.batching.batcher import Generated, RowHooks
+from service.errors import DeadlineExceeded, InternalError, ServiceError
 from service.observability import metrics
 from service.settings import Settings
 

@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from service.api.errors import DeadlineExceeded, InternalError, NotReady, Overloaded
+from service.errors import DeadlineExceeded, InternalError, NotReady, Overloaded
 from service.observability import metrics
 
 logger = logging.getLogger(__name__)

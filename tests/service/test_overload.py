@@ -112,8 +112,8 @@ async def test_a_request_queued_past_its_deadline_gets_504_and_never_runs(
 
 
 async def test_the_batcher_fails_rows_still_queued_at_their_deadline() -> None:
-    from service.api.errors import DeadlineExceeded
     from service.batching.batcher import Batcher, BatchLimits
+    from service.errors import DeadlineExceeded
     from tests.service.fakes import CharTokenizer
 
     model = FakeModel(delay_s=0.2)
@@ -196,8 +196,8 @@ async def test_a_queued_request_whose_client_left_is_dropped_and_counted(
 
 @pytest.mark.parametrize("error", [MemoryError, RuntimeError])
 async def test_an_exception_in_one_batch_fails_only_that_batch(error: type[Exception]) -> None:
-    from service.api.errors import InternalError
     from service.batching.batcher import Batcher, BatchLimits
+    from service.errors import InternalError
     from tests.service.fakes import CharTokenizer, reverse
 
     tokens = CharTokenizer()

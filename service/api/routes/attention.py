@@ -16,11 +16,11 @@ from fastapi import APIRouter, Request, Response
 
 from service.api.deadline import request_deadline
 from service.api.disconnect import unless_disconnected
-from service.api.errors import InvalidInput
 from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.api.routes.generate import ERROR_RESPONSES
 from service.api.schemas import AttentionRequest, AttentionResponse
+from service.errors import InvalidInput
 from service.generation import attention_maps
 from service.generation.attention_maps import AttentionRuntime, Selection
 from service.settings import Settings

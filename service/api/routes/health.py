@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.api.errors import NotReady
 from service.api.routes.deps import RegistryDep
 from service.api.schemas import ErrorBody, Health
+from service.errors import NotReady
 
 router = APIRouter(tags=["health"])
 

@@ -22,8 +22,9 @@ from starlette.exceptions import HTTPException
 from service.api import open_inference, pipeline
 from service.api.auth import require_api_key
 from service.api.deadline import request_deadline
-from service.api.errors import ModelNotFound, ServiceError, describe_validation_errors, status_of
+from service.api.errors import describe_validation_errors, status_of
 from service.api.routes.deps import RegistryDep, SettingsDep
+from service.errors import ModelNotFound, ServiceError
 from service.registry import ModelEntry, ModelRegistry
 
 logger = logging.getLogger(__name__)

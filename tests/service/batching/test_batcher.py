@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from service.api.errors import InternalError, NotReady, Overloaded
 from service.batching.batcher import Batcher, BatchLimits, RowHooks
+from service.errors import InternalError, NotReady, Overloaded
 from service.observability import metrics
 from tests.service.fakes import EOS, UNK, FakeModel, reverse
 

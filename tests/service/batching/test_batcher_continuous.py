@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from service.api.errors import InternalError
 from service.batching.batcher import Batcher, BatchLimits, RowHooks, join_age_limit
 from service.batching.running_batch import RunningBatch
 from service.batching.slot_batch import SlotBatch
+from service.errors import InternalError
 from service.generation.search import generate
 from service.runtime import ModelRuntime
 from tests.service.fakes import EOS, UNK, FakeModel, FakeRunningBatch, reverse

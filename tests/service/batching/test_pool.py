@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from service.api.errors import Overloaded
 from service.batching.batcher import Batcher, BatchLimits, RowHooks
 from service.batching.pool import BatcherPool
+from service.errors import Overloaded
 from service.observability import metrics
 from service.settings import CPU_PROVIDER, Settings, cpu_cores
 from tests.service.fakes import EOS, FakeModel, reverse

@@ -1,0 +1,12 @@
+"""Hard ceilings fixed in code: no setting and no request goes above them. The configured
+limits (`service.settings.Settings`) are at most these; the API's schemas enforce them."""
+
+from __future__ import annotations
+
+MAX_TEXTS = 256
+MAX_TEXT_CHARS = 100_000
+MAX_BEAM_SIZE = 8
+MAX_NEW_TOKENS = 4096
+MAX_ATTENTION_INDICES = 256  # layers or heads listed in one /v1/attention request
+MAX_DECIMALS = 8
+MAX_TIMEOUT_MS = 3_600_000
