@@ -4,23 +4,34 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test lint test-slow test-newcomer bench soak venv-serve venv-dev venv-bench
+.PHONY: serve test lint gpu-check test-slow test-newcomer bench soak venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# onnxruntime's CUDA build (the `gpu` extra) where an NVIDIA driver answers, else its CPU build
+# (the `serve` extra); GPU=1 or GPU=0 decides. Both builds install the module `onnxruntime`, so
+# the other one is removed first.
+GPU    ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+ORT    := $(if $(filter 1,$(GPU)),gpu,serve)
+OTHER  := $(if $(filter 1,$(GPU)),onnxruntime,onnxruntime-gpu)
+ONE_ORT = $(BIN)/pip uninstall -q -y $(OTHER) 2>/dev/null || true
+
 # Serving only: onnxruntime, FastAPI, no torch.
 venv-serve: $(BIN)/python
-	$(BIN)/pip install -q -e '.[serve]'
+	$(ONE_ORT)
+	$(BIN)/pip install -q -e '.[$(ORT)]'
 
 # Everything the tests need (training, export, serving).
 venv-dev: $(BIN)/python
-	$(BIN)/pip install -q -e '.[serve,train,dev]'
+	$(ONE_ORT)
+	$(BIN)/pip install -q -e '.[$(ORT),train,dev]'
 
 # Benchmarks: the service, in-process ONNX, naive PyTorch and CTranslate2 (needs data/ prepared).
 venv-bench: $(BIN)/python
-	$(BIN)/pip install -q -e '.[serve,train,bench]'
+	$(ONE_ORT)
+	$(BIN)/pip install -q -e '.[$(ORT),train,bench]'
 
 serve: venv-serve
 	$(BIN)/attnserve serve --host 0.0.0.0 --port $(PORT) --models models
@@ -33,6 +44,12 @@ lint: venv-dev
 	$(BIN)/ruff check .
 	$(BIN)/mypy service export attnserve
 	$(BIN)/lint-imports
+
+# The CUDA execution provider verified and measured (bench/results/gpu/<gpu>/); on a machine
+# without a GPU it says why and exits 0. OFFLINE=1: the python3 on PATH as it is (a host prepared
+# with bench/GPU_OFFLINE.md), no virtualenv.
+gpu-check: $(if $(filter 1,$(OFFLINE)),,venv-dev)
+	$(if $(filter 1,$(OFFLINE)),python3,$(BIN)/python) -m bench.gpu_check --out bench/results/gpu
 
 # A fresh clone of HEAD: `make serve` there, every README example against it, the wheel.
 test-newcomer: venv-dev

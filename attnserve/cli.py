@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import re
 import sys
@@ -37,7 +38,7 @@ SUBCOMMANDS = (
     Subcommand("train", "train or resume a model from a YAML/TOML run file", "model.commands", ("train",)),
     Subcommand("evaluate", "score a checkpoint on a split (BLEU/chrF or ROUGE)", "model.commands", ("train",)),
     Subcommand("export", "export a checkpoint to an ONNX model repository (parity-checked)",
-               "export.commands", ("train",)),
+               "export.commands", ("train", "serve")),
     Subcommand("check-parity", "check a model repository's ONNX graphs against its PyTorch weights",
                "export.commands", ("train", "serve")),
     Subcommand("serve", "serve the models of a model repository over HTTP", "service.commands", ("serve",)),
@@ -53,17 +54,28 @@ class MissingExtra(Exception):
 
 def install_hint(extras: Sequence[str]) -> str:
     """The pip command that installs `extras` of this distribution."""
-    return f"pip install '{DISTRIBUTION}[{','.join(extras)}]'"
+    hint = f"pip install '{DISTRIBUTION}[{','.join(extras)}]'"
+    if "serve" in extras:
+        gpu = ",".join("gpu" if e == "serve" else e for e in extras)
+        hint += f" (on a CUDA machine '{DISTRIBUTION}[{gpu}]')"
+    return hint
 
 
 def missing_requirements(extras: Sequence[str]) -> list[str]:
     """Distributions that `extras` require (per the installed package's metadata) and that are
-    not installed. Empty when attnserve itself is not installed (run from a source tree)."""
+    not installed. The `serve` extra counts as installed with either build of onnxruntime (its
+    CPU build or the `gpu` extra's CUDA build) beside the `server` extra. Empty when attnserve
+    itself is not installed (run from a source tree)."""
     try:
         requirements = importlib.metadata.requires(DISTRIBUTION) or []
     except importlib.metadata.PackageNotFoundError:
         return []
     missing = []
+    if "serve" in extras:
+        extras = [*extras, "server"]
+        if importlib.util.find_spec("onnxruntime") is None:
+            missing.append("onnxruntime")
+    extras = [e for e in extras if e != "serve"]
     for requirement in requirements:
         name, _, marker = requirement.partition(";")
         found = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)

@@ -45,6 +45,8 @@ from service.runtime.providers import (
     CUDA,
     DEFAULT_PROVIDERS,
     VARIANT_PREFERENCE,
+    cuda_unavailable_reason,
+    prepare_cuda,
 )
 from service.runtime.row_gather import RowGather
 from service.runtime.step_buffers import CacheBuffers, run_step
@@ -118,6 +120,11 @@ class ModelRuntime:
             verify_files(directory, manifest)
         except ManifestError as error:
             raise ModelLoadError(f"{directory}: {error}") from error
+        if CUDA in providers:
+            prepare_cuda()
+            reason = cuda_unavailable_reason()
+            if reason is not None and CPU in providers:
+                logger.warning("%s: CUDAExecutionProvider unavailable, serving on the CPU: %s", manifest.name, reason)
         available = set(ort.get_available_providers())
         usable = [p for p in providers if p in available]
         if not usable:
@@ -129,10 +136,18 @@ class ModelRuntime:
             if chosen is None:
                 logger.info("%s: no servable variant for %s", manifest.name, provider)
                 continue
-            encoder, decoder, step = _sessions(directory, manifest.variants[chosen], provider, threads, spinning,
-                                               memory_arena, profile_prefix, fold_dequantize=chosen == "int8")
-            if encoder.get_providers()[0] != provider:  # e.g. CUDA listed but its libraries missing
-                logger.warning("%s: %s did not start, trying the next provider", manifest.name, provider)
+            try:
+                encoder, decoder, step = _sessions(directory, manifest.variants[chosen], provider, threads, spinning,
+                                                   memory_arena, profile_prefix, fold_dequantize=chosen == "int8")
+            except ModelLoadError as error:
+                if provider == usable[-1]:
+                    raise
+                logger.warning("%s: %s failed to start (%s); trying %s", manifest.name, provider, error,
+                               usable[usable.index(provider) + 1])
+                continue
+            if encoder.get_providers()[0] != provider:  # onnxruntime fell back: CUDA libraries missing
+                logger.warning("%s: %s did not start (%s); trying the next provider", manifest.name, provider,
+                               cuda_unavailable_reason() or "see onnxruntime's log above")
                 continue
             bind = AUTO_IO_BINDING.get(provider, False) if io_binding is None else io_binding
             device, device_id = _device(decoder, provider)

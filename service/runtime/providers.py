@@ -1,7 +1,17 @@
 """onnxruntime execution providers and what the service does on each: the variants it
-prefers and whether it keeps tensors on the device (IO binding) by default."""
+prefers, whether it keeps tensors on the device (IO binding) by default, and why CUDA cannot
+run when it cannot."""
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import onnxruntime as ort
+
+logger = logging.getLogger(__name__)
 
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 DEFAULT_PROVIDERS = (CUDA, CPU)
@@ -11,3 +21,36 @@ VARIANT_PREFERENCE = {CUDA: ("fp16", "fp32"), CPU: ("int8", "fp32")}
 # arrays and CPU OrtValues share memory and binding saves no copy
 # (`python -m bench.io_binding` measures both ways).
 AUTO_IO_BINDING = {CUDA: True, CPU: False}
+
+CUDA_PROVIDER_LIBRARY = "libonnxruntime_providers_cuda.so"
+
+
+def prepare_cuda() -> None:
+    """Load the CUDA and cuDNN libraries of the nvidia-* Python packages, when installed, so the
+    CUDA provider finds them without LD_LIBRARY_PATH (onnxruntime-gpu's `preload_dlls`)."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None and CUDA in ort.get_available_providers():
+        try:
+            preload()
+        except (OSError, RuntimeError, ImportError) as error:  # the provider may still find system libraries
+            logger.debug("onnxruntime.preload_dlls: %s", error)
+
+
+@functools.cache
+def cuda_unavailable_reason(library: Path | None = None) -> str | None:
+    """Why onnxruntime cannot run on CUDA here, in one line, or None when it can try: the CPU
+    build of onnxruntime is installed, or its CUDA provider library cannot load (the loader's
+    message names the missing CUDA/cuDNN library or symbol)."""
+    if CUDA not in ort.get_available_providers():
+        return (f"onnxruntime {ort.__version__} is the CPU build; install the CUDA build with "
+                f"pip install 'attnserve[gpu]' (it replaces onnxruntime with onnxruntime-gpu)")
+    capi = Path(ort.__file__).parent / "capi"
+    library = library or capi / CUDA_PROVIDER_LIBRARY
+    try:
+        shared = capi / "libonnxruntime_providers_shared.so"
+        if shared.exists():
+            ctypes.CDLL(str(shared), mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(str(library))
+    except OSError as error:
+        return f"{library.name} cannot load: {error}"
+    return None

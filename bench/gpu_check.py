@@ -1,0 +1,226 @@
+"""`make gpu-check`: verify the CUDA execution provider on a GPU machine, then measure it.
+
+1. The machine: the GPU and driver (`nvidia-smi`), onnxruntime's version and providers. Without
+   a GPU, or with onnxruntime's CPU build, it says why and exits 0 (`--require-gpu`: exits 1).
+2. The `gpu`-marked tests (`pytest -m gpu`), their JUnit XML kept beside the results.
+3. A short benchmark on the provider, in one run: the service over HTTP at each
+   `--concurrency` (its p50 at concurrency 1 is the single-request latency); the service's
+   graphs in-process at each `--batch-sizes`; and the alternative that runs on the same GPU
+   without our code: the repository's PyTorch model with its KV cache, batched, in fp16
+   autocast. GPU memory in use is read from `nvidia-smi` after each part.
+4. Writes `<out>/<gpu name>/gpu-check.json` and `gpu-check.md`: every number, the device, the
+   driver, onnxruntime's version and the provider each part actually ran on.
+
+`--provider CPUExecutionProvider` runs steps 3-4 on the CPU (a dry run of the same code, used by
+its test on the tiny model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import onnxruntime as ort
+
+from bench import loadgen, machine
+from bench.in_process import load_runtime, run_batches
+from bench.servers import ServerProcess, free_port, service_command
+from bench.stats import summarise
+from bench.workload import load as load_workload
+from service.repository.manifest import read_manifest
+from service.runtime import CPU, CUDA
+from service.runtime.providers import cuda_unavailable_reason, prepare_cuda
+
+TASK_MODELS = {"translate": "translate-en-it", "summarize": "summarize-en"}
+
+
+def gpu() -> dict[str, str] | None:
+    """Name, driver and memory of the first GPU as `nvidia-smi` reports them, or None."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = "--query-gpu=name,driver_version,memory.total,memory.used"
+    result = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True,
+                            text=True, check=False)
+    if result.returncode != 0 or not result.stdout.strip():
+        return None
+    name, driver, total, used = (part.strip() for part in result.stdout.splitlines()[0].split(","))
+    return {"name": name, "driver": driver, "memory_total_mib": total, "memory_used_mib": used}
+
+
+def skip_reason(provider: str) -> str | None:
+    """Why the check cannot run on `provider` here, or None."""
+    if provider != CUDA:
+        return None
+    if gpu() is None:
+        return "no NVIDIA GPU: nvidia-smi is missing or lists no device"
+    prepare_cuda()
+    return cuda_unavailable_reason()
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def run_gpu_tests(out: Path) -> dict[str, Any]:
+    """`pytest -m gpu`; its exit status and the JUnit counts."""
+    xml = out / "gpu-tests.xml"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                             f"--junitxml={xml}"], capture_output=True, text=True, check=False)
+    (out / "gpu-tests.log").write_text(result.stdout + result.stderr, encoding="utf-8")
+    counts = {}
+    if xml.exists():
+        head = re.search(r"<testsuite [^>]*>", xml.read_text(encoding="utf-8"))
+        for key in ("tests", "failures", "errors", "skipped"):
+            found = re.search(rf'\b{key}="(\d+)"', head.group(0)) if head else None
+            counts[key] = int(found.group(1)) if found else None
+    return {"exit_status": result.returncode, **counts}
+
+
+def torch_baseline(model_dir: Path, sources: list[list[int]], batch_sizes: list[int], max_new_tokens: int,
+                   device: str) -> dict[str, Any]:
+    """The repository's PyTorch model with its KV cache, greedy, batched; fp16 autocast on CUDA."""
+    import torch
+
+    from model.checkpoint import load_model
+    from model.decoding import greedy_decode, pad_batch
+
+    model = load_model(model_dir, device=device).eval()
+    pad = model.config.pad_id
+    runs = {}
+    for batch_size in batch_sizes:
+        latencies, tokens = [], 0
+        started = time.perf_counter()
+        with torch.inference_mode(), torch.autocast(device_type=device.split(":")[0], dtype=torch.float16,
+                                                    enabled=device.startswith("cuda")):
+            for first in range(0, len(sources), batch_size):
+                batch = sources[first:first + batch_size]
+                t0 = time.perf_counter()
+                outputs = greedy_decode(model, pad_batch(batch, pad).to(device), max_new_tokens)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                latencies += [time.perf_counter() - t0] * len(batch)
+                tokens += sum(len(o.tokens) - (o.finish_reason == "eos") for o in outputs)
+        runs[str(batch_size)] = summarise(latencies, tokens, time.perf_counter() - started).to_dict()
+    precision = "fp16 autocast" if device.startswith("cuda") else "fp32"
+    return {"device": device, "precision": precision, "batches": runs}
+
+
+def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences: int, concurrency: list[int],
+            batch_sizes: list[int], out: Path) -> dict[str, Any]:
+    """Steps 3 of the module docstring for one model."""
+    manifest = read_manifest(models / model)
+    runtime = load_runtime(models / model, providers=[provider] if provider == CPU else [provider, CPU])
+    workload = load_workload(texts_dir, model, manifest.task, runtime.tokenizer, manifest.max_source_len, sentences)
+    texts = (workload.texts * (sentences // max(len(workload), 1) + 1))[:sentences]
+    sources = (workload.source_ids * (sentences // max(len(workload), 1) + 1))[:sentences]
+    max_new_tokens = manifest.max_target_len
+    report: dict[str, Any] = {"model": model, "provider": runtime.provider, "variant": runtime.variant,
+                              "sentences": len(texts)}
+
+    report["in_process"] = {str(b): run_batches(runtime, sources, b, max_new_tokens=max_new_tokens)[0].to_dict()
+                            for b in batch_sizes}
+    del runtime
+    report["memory_after_in_process"] = gpu()
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
+    command = service_command(models, port, providers=[provider] if provider == CPU else [provider, CPU],
+                              max_queue_size=max(4096, 4 * max(concurrency)))
+    with ServerProcess(command, port, out / f"service-{model}.log") as server:
+        info = json.loads(_get(server.url + "/v1/models"))
+        served = next(m for m in info["models"] if m["name"] == model)
+        report["service_provider"], report["service_variant"] = served["provider"], served["variant"]
+        report["service"] = {}
+        for clients in concurrency:
+            result = asyncio.run(loadgen.closed_loop(url, texts, clients))
+            report["service"][str(clients)] = result.stats().to_dict()
+        report["memory_during_service"] = gpu()
+        report["service_peak_rss_mib"] = server.rss.peak_bytes / 2**20 if server.rss else None
+
+    device = "cuda" if provider == CUDA else "cpu"
+    report["pytorch"] = torch_baseline(models / model, sources, batch_sizes, max_new_tokens, device)
+    return report
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The report: the machine, the tests, then one table per model."""
+    device = results["gpu"] or {"name": results["provider"]}
+    lines = [f"# gpu-check on {device['name']}", "",
+             f"- command: `{results['command']}`",
+             (f"- driver: {device.get('driver', '-')}; onnxruntime {results['onnxruntime']} "
+              f"(providers {', '.join(results['onnxruntime_providers'])})"),
+             f"- gpu tests: {results['tests']}", ""]
+    for report in results["models"]:
+        lines += [(f"## {report['model']}: service on {report['service_provider']} ({report['service_variant']}), "
+                   f"in-process on {report['provider']} ({report['variant']})"), "",
+                  "| run | sentences/s | tokens/s | p50 s | p95 s |", "|---|---|---|---|---|"]
+        rows = [(f"service, concurrency {c}", s) for c, s in report["service"].items()]
+        rows += [(f"ONNX in-process, batch {b}", s) for b, s in report["in_process"].items()]
+        rows += [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s)
+                 for b, s in report["pytorch"]["batches"].items()]
+        for name, s in rows:
+            p50 = "-" if s["latency_p50_s"] is None else f"{s['latency_p50_s']:.4f}"
+            p95 = "-" if s["latency_p95_s"] is None else f"{s['latency_p95_s']:.4f}"
+            lines.append(f"| {name} | {s['sentences_per_s']:.1f} | {s['tokens_per_s']:.0f} | {p50} | {p95} |")
+        memory = report.get("memory_during_service") or {}
+        lines += ["", (f"GPU memory in use while serving: {memory.get('memory_used_mib', '-')} MiB "
+                       f"of {memory.get('memory_total_mib', '-')}."), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=Path, default=Path("models"), help="model repository (default ./models)")
+    parser.add_argument("--texts", type=Path, default=Path("tests/fixtures/default_models"),
+                        help="folder with <model>/test.src (default: the test fixtures, no prepared data needed)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/gpu"), help="results folder")
+    parser.add_argument("--provider", default=CUDA, choices=[CUDA, CPU])
+    parser.add_argument("--tasks", nargs="+", default=["translate"], choices=sorted(TASK_MODELS))
+    parser.add_argument("--model", action="append", default=None, help="model folder names (default: by --tasks)")
+    parser.add_argument("--sentences", type=int, default=1024)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
+    parser.add_argument("--require-gpu", action="store_true", help="exit 1 instead of 0 when it cannot run")
+    args = parser.parse_args(argv)
+
+    reason = skip_reason(args.provider)
+    if reason is not None:
+        print(f"gpu-check skipped: {reason}")
+        return 1 if args.require_gpu else 0
+    device = gpu()
+    out = args.out / slug(device["name"] if device and args.provider == CUDA else f"dry-run-{args.provider}")
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "command": " ".join(["python -m bench.gpu_check", *(argv if argv is not None else sys.argv[1:])]),
+        "provider": args.provider, "gpu": device, "machine": machine.describe(),
+        "onnxruntime": ort.__version__, "onnxruntime_providers": ort.get_available_providers(),
+        "tests": "not run" if args.no_tests else run_gpu_tests(out), "models": [],
+    }
+    for model in args.model or [TASK_MODELS[t] for t in args.tasks]:
+        results["models"].append(measure(args.models, model, args.texts, args.provider, args.sentences,
+                                         args.concurrency, args.batch_sizes, out))
+    (out / "gpu-check.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (out / "gpu-check.md").write_text(markdown(results), encoding="utf-8")
+    print(f"wrote {out / 'gpu-check.md'}")
+    tests = results["tests"]
+    return 0 if not isinstance(tests, dict) or tests["exit_status"] in (0, 5) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

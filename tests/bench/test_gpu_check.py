@@ -1,0 +1,42 @@
+"""`make gpu-check`: it skips cleanly without a GPU, and its benchmark runs end to end (on the
+CPU provider, the same code) over the tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check
+from service.runtime import CPU, CUDA
+
+
+def test_without_a_gpu_it_says_why_and_exits_0(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(gpu_check.shutil, "which", lambda name: None)  # no nvidia-smi
+    assert gpu_check.main(["--provider", CUDA]) == 0
+    assert capsys.readouterr().out.strip() == "gpu-check skipped: no NVIDIA GPU: nvidia-smi is missing or lists no device"
+    assert gpu_check.main(["--provider", CUDA, "--require-gpu"]) == 1
+
+
+def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    shutil.copytree(tiny_model_repository, models / "tiny")
+    texts = tmp_path / "texts" / "tiny"
+    texts.mkdir(parents=True)
+    shutil.copy(tiny_model_repository.parent / "data" / "test.src", texts / "test.src")
+    out = tmp_path / "out"
+    status = gpu_check.main(["--provider", CPU, "--models", str(models), "--texts", str(tmp_path / "texts"),
+                             "--model", "tiny", "--out", str(out), "--sentences", "24", "--concurrency", "1", "4",
+                             "--batch-sizes", "8", "--no-tests"])
+    assert status == 0
+    (folder,) = out.iterdir()
+    results = json.loads((folder / "gpu-check.json").read_text())
+    (report,) = results["models"]
+    assert report["provider"] == report["service_provider"] == CPU
+    assert set(report["service"]) == {"1", "4"} and set(report["in_process"]) == {"8"}
+    for stats in [*report["service"].values(), *report["in_process"].values(), *report["pytorch"]["batches"].values()]:
+        assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
+    assert "| service, concurrency 4 |" in (folder / "gpu-check.md").read_text()

@@ -1,0 +1,48 @@
+"""Execution provider choice: CUDA asked for where it cannot run falls back to the CPU with one
+log line naming the cause."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+from service.runtime import CPU, CUDA, ModelRuntime, providers
+
+
+@pytest.fixture(autouse=True)
+def _fresh_reason():
+    providers.cuda_unavailable_reason.cache_clear()
+    yield
+    providers.cuda_unavailable_reason.cache_clear()
+
+
+@pytest.mark.skipif(CUDA in ort.get_available_providers(), reason="the CPU build of onnxruntime only")
+def test_cuda_on_the_cpu_build_falls_back_with_one_line_naming_the_cause(
+        tiny_model_repository: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="service.runtime"):
+        runtime = ModelRuntime.load(tiny_model_repository, [CUDA, CPU], threads=1)
+    assert runtime.provider == CPU
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "CUDAExecutionProvider unavailable" in warnings[0] and "CPU build" in warnings[0]
+    assert "pip install 'attnserve[gpu]'" in warnings[0]
+
+
+def test_a_cuda_provider_library_that_cannot_load_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
+    library = tmp_path / providers.CUDA_PROVIDER_LIBRARY
+    library.write_bytes(b"not a shared object")
+    reason = providers.cuda_unavailable_reason(library)
+    assert reason is not None and reason.startswith(f"{providers.CUDA_PROVIDER_LIBRARY} cannot load:")
+    missing = providers.cuda_unavailable_reason(tmp_path / "libmissing.so")
+    assert missing is not None and "libmissing.so" in missing
+
+
+def test_cpu_only_asks_nothing_of_cuda(tiny_model_repository: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="service.runtime"):
+        assert ModelRuntime.load(tiny_model_repository, [CPU], threads=1).provider == CPU
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
