@@ -175,12 +175,12 @@ def _requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", name.group()).lower()
 
 
-def test_gpu_dockerfile_installs_the_serve_extra_with_onnxruntime_gpu() -> None:
+def test_gpu_dockerfile_installs_the_server_extra_with_onnxruntime_gpu() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     wanted = {
         _requirement_name(r)
-        for r in project["dependencies"] + project["optional-dependencies"]["serve"]
-    } - {"onnxruntime"}
+        for r in project["dependencies"] + project["optional-dependencies"]["server"]
+    }
     text = DOCKERFILES["gpu"].read_text()
     pinned = {
         _requirement_name(name) for name in re.findall(r'"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==', text)
