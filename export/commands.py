@@ -70,10 +70,10 @@ def _provenance(checkpoint: str) -> dict[str, object]:
     import math
     from pathlib import Path
 
-    from service.repository.manifest import MANIFEST_FILE, read_manifest, sha256_file
+    from service.repository.manifest import MANIFEST_FILE, sha256_file
 
-    if (Path(checkpoint) / MANIFEST_FILE).exists():
-        earlier = read_manifest(checkpoint).exporter.get("source")
+    if (Path(checkpoint) / MANIFEST_FILE).exists():  # any format version: only its record is read
+        earlier = json.loads((Path(checkpoint) / MANIFEST_FILE).read_text()).get("exporter", {}).get("source")
         if isinstance(earlier, dict) and earlier:
             return dict(earlier, re_exported_from=checkpoint)
     found: dict[str, object] = {"checkpoint": checkpoint,

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import onnx
 import torch
 
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
@@ -25,7 +26,7 @@ from export.variants import PRECISIONS, convert
 from model.checkpoint import WEIGHTS_FILE, load_model, save_weights
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
-from service.repository import graph_io, packed_weights
+from service.repository import graph_io
 from service.repository.manifest import Manifest, Variant, repository_files, write_manifest
 from service.runtime import CPU, CUDA, ModelRuntime
 
@@ -35,10 +36,24 @@ TOKENIZER_FILE = "tokenizer.model"
 MAX_SIZE_MB = 60.0  # per model repository, all files (MiB, as `du -sm` counts)
 DROP_ORDER = ("fp16", "int8")  # variants given up first when the repository is too large
 PROVIDERS = {"fp32": [CUDA, CPU], "int8": [CPU], "fp16": [CUDA]}
+# Variants whose graphs sit at the repository's root and share its weights.bin, stored as
+# bfloat16: the fp32 graphs cast them to float32 and the fp16 graphs to float16 when a session
+# is built, so fp16 costs only its graph files.
+SHARED_WEIGHTS = ("fp32", "fp16")
 # Variants that get the decoder step graph (`export.step_graph`): the CPU's. Its cache buffers
 # are host memory written in place; fp16 runs on CUDA, where they would have to live on the
 # device (not written), so its running batch keeps the merged decoder.
 STEP_PRECISIONS = ("fp32", "int8")
+
+
+def variant_file(file: str, precision: str) -> str:
+    """Where a graph of a variant is stored: `decoder.onnx` (fp32), `decoder.fp16.onnx`,
+    `int8/decoder.onnx`."""
+    if precision == "fp32":
+        return file
+    if precision in SHARED_WEIGHTS:
+        return file.removesuffix(".onnx") + f".{precision}.onnx"
+    return f"{precision}/{file}"
 
 
 class RepositoryTooLarge(ValueError):
@@ -133,20 +148,24 @@ def _build(
     graphs = export_graphs(model)
     graphs[STEP_DECODER_FILE] = export_step_graph(model)  # last: the others' weights keep their offsets
     entries: dict[str, Variant] = {}
+    root: dict[str, onnx.ModelProto] = {}  # fp32 and fp16 graphs: one weights.bin, bfloat16 numbers
     for precision in variants:
-        folder = "" if precision == "fp32" else f"{precision}/"
         converted = {file: convert(graph, precision) for file, graph in graphs.items()
                      if file != STEP_DECODER_FILE or precision in STEP_PRECISIONS}
-        # fp32 holds the bf16-rounded weights: stored packed at half the size
-        written = save_graphs(staging / folder, converted, pack_bfloat16=precision == "fp32")
-        packed = [f"{folder}{p.name}" for p in written if p.name.endswith(packed_weights.PACKED_SUFFIX)]
+        names = {file: variant_file(file, precision) for file in converted}
+        if precision in SHARED_WEIGHTS:
+            root.update({names[file]: graph for file, graph in converted.items()})
+        else:
+            save_graphs(staging / precision, converted)
         entries[precision] = Variant(
-            encoder=f"{folder}{ENCODER_FILE}", decoder=f"{folder}{DECODER_FILE}", precision=precision,
+            encoder=names[ENCODER_FILE], decoder=names[DECODER_FILE], precision=precision,
             providers=PROVIDERS[precision], servable=precision == "fp32", quality=None,
             note="" if precision == "fp32" or data_dir is not None else "quality not measured (no --data-dir)",
-            packed_weights=packed,
-            step_decoder=f"{folder}{STEP_DECODER_FILE}" if STEP_DECODER_FILE in converted else "",
+            step_decoder=names.get(STEP_DECODER_FILE, ""),
         )
+    shared = {variant_file(file, precision): file for precision in variants if precision in SHARED_WEIGHTS
+              for file in graphs}
+    save_graphs(staging, root, bfloat16_weights=True, converted_from=shared)
     manifest = Manifest(
         name=name, task=task, source_language=source_language, target_language=target_language,
         model_config=config.to_dict(),
@@ -197,9 +216,14 @@ def _fit(directory: Path, manifest: Manifest, max_size_mb: float) -> None:
             return
         if precision in manifest.variants:
             variant = manifest.variants.pop(precision)
-            folder = directory / precision
-            variant_mb = _size_mb(folder)
-            shutil.rmtree(folder)
+            files = [directory / f for f in (variant.encoder, variant.decoder, variant.step_decoder) if f]
+            if (directory / precision).is_dir():
+                files += [f for f in (directory / precision).iterdir() if f not in files]
+            variant_mb = sum(f.stat().st_size for f in files) / 2**20
+            for file in files:
+                file.unlink()
+            if (directory / precision).is_dir():
+                (directory / precision).rmdir()
             log.warning("%s: %.1f MB > %.0f MB, dropped the %s variant (%.1f MB)",
                         manifest.name, size, max_size_mb, precision, variant_mb)
             manifest.exporter.setdefault("dropped_variants", {})[precision] = {

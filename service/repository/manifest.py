@@ -5,7 +5,8 @@ every file in its folder. Torch-free: the service reads it with the standard lib
     models/<name>/tokenizer.model, checkpoint.safetensors
     models/<name>/encoder.onnx, decoder.onnx           fp32
     models/<name>/decoder_step.onnx                    fp32 (continuous batching's step)
-    models/<name>/int8/..., fp16/...                   variants
+    models/<name>/encoder.fp16.onnx, decoder.fp16.onnx fp16, sharing fp32's weights.bin
+    models/<name>/int8/...                             int8, with its own weights.bin
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 MANIFEST_FILE = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: standard ONNX external data (1 stored packed bfloat16 weights)
 TASKS = ("translate", "summarize")
 
 
@@ -61,8 +62,6 @@ class Variant:
     servable: bool  # False when its quality loss exceeds the bound (or was not measured)
     quality: dict[str, Any] | None = None
     note: str = ""
-    # external-data files stored packed (`service.repository.packed_weights`), expanded in memory at load
-    packed_weights: list[str] = field(default_factory=list)
     # the decoder step over each row's own cache (`export.step_graph`) for continuous
     # batching; "" when the variant has none (the running batch then uses `decoder`)
     step_decoder: str = ""
@@ -99,7 +98,8 @@ class Manifest:
         values = dict(values)
         try:
             if values.get("format_version") != FORMAT_VERSION:
-                raise ManifestError(f"format_version {values.get('format_version')!r} is not {FORMAT_VERSION}")
+                raise ManifestError(f"format_version {values.get('format_version')!r} is not {FORMAT_VERSION}: "
+                                    "re-export the model with this version's `attnserve export`")
             values["variants"] = {k: Variant(**v) for k, v in values["variants"].items()}
             known = {f.name for f in dataclasses.fields(cls)}
             manifest = cls(**{k: v for k, v in values.items() if k in known})
@@ -165,7 +165,7 @@ def verify_files(directory: str | Path, manifest: Manifest) -> None:
     root = Path(directory)
     referenced = {manifest.tokenizer, manifest.checkpoint}
     for variant in manifest.variants.values():
-        referenced.update((variant.encoder, variant.decoder, *variant.packed_weights))
+        referenced.update((variant.encoder, variant.decoder))
         if variant.step_decoder:
             referenced.add(variant.step_decoder)
     for name in sorted(referenced | set(manifest.files)):

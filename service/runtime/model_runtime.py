@@ -25,13 +25,13 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from model.tokenizer import Tokenizer
-from service.repository import graph_io, packed_weights
+from service.repository import graph_io
 from service.repository.manifest import (
     Manifest,
     ManifestError,
@@ -401,10 +401,6 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
     if not spinning:  # idle intra-op threads sleep instead of busy-waiting for the next call
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = [provider] if provider == CPU else [provider, CPU]
-    buffers = [packed_weights.read_unpacked(directory / path) for path in variant.packed_weights]
-    if buffers:  # both graphs read them by their unpacked name, relative to the graph's folder
-        names = [PurePosixPath(path).name.removesuffix(packed_weights.PACKED_SUFFIX) for path in variant.packed_weights]
-        options.add_external_initializers_from_files_in_memory(names, buffers, [b.nbytes for b in buffers])
     paths = [variant.encoder, variant.decoder]
     if variant.step_decoder and provider == CPU:
         paths.append(variant.step_decoder)

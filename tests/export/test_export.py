@@ -44,15 +44,13 @@ def test_repository_layout_and_manifest(tiny_model_repository: Path) -> None:
     verify_files(tiny_model_repository, manifest)
     assert set(manifest.files) == {
         "checkpoint.safetensors", "config.json", "tokenizer.model", "encoder.onnx", "decoder.onnx",
-        "weights.bin.bf16", "int8/encoder.onnx", "int8/decoder.onnx", "int8/weights.bin",
+        "weights.bin", "int8/encoder.onnx", "int8/decoder.onnx", "int8/weights.bin",
         "decoder_step.onnx", "int8/decoder_step.onnx",
     }
     assert (manifest.task, manifest.opset, manifest.source_suffix) == ("translate", 18, "eos")
     assert manifest.special_ids == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
     assert manifest.model_config["vocab_size"] == 20 and manifest.max_target_len == 16
     assert manifest.variants["fp32"].servable and manifest.variants["fp32"].quality == manifest.quality
-    assert manifest.variants["fp32"].packed_weights == ["weights.bin.bf16"]  # bf16 numbers: half the bytes
-    assert manifest.variants["int8"].packed_weights == []
     assert (manifest.variants["fp32"].step_decoder, manifest.variants["int8"].step_decoder) == (
         "decoder_step.onnx", "int8/decoder_step.onnx")
     assert manifest.quality is not None and manifest.quality["chrf"] > 90  # it reverses (1-2 word lines: BLEU 0)
@@ -209,7 +207,7 @@ def test_fp16_variant_keeps_float32_io(tiny_model_repository: Path, tiny_runtime
     session = ort.InferenceSession(str(tmp_path / "decoder.onnx"), providers=[CPU])
     assert {v.type for v in session.get_outputs()} == {"tensor(float)"}
     assert {v.type for v in session.get_inputs() if v.name.startswith(("past", "cross"))} == {"tensor(float)"}
-    fp32 = tiny_runtime.decoder  # the packed fp32 weights, expanded in memory
+    fp32 = tiny_runtime.decoder  # the bfloat16-stored weights, cast to float32 at load
     rng = np.random.default_rng(0)
     feeds = {"input_ids": np.array([[2, 5, 9]]), "positions": np.array([[0, 1, 2]]),
              "source_mask": np.ones((1, 4), bool), "target_mask": np.ones((1, 3), bool)}

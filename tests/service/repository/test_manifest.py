@@ -108,7 +108,7 @@ def _flip_a_byte(path: Path) -> None:
 @pytest.mark.parametrize(
     ("path", "damage", "message"),
     [
-        ("weights.bin.bf16", _flip_a_byte, "weights.bin.bf16: sha256"),
+        ("weights.bin", _flip_a_byte, "weights.bin: sha256"),
         ("int8/decoder.onnx", lambda p: p.write_bytes(b""), "int8/decoder.onnx: zero bytes"),
         ("tokenizer.model", Path.unlink, "tokenizer.model: listed in manifest.json but missing"),
         ("manifest.json", lambda p: p.write_text("{"), "not valid JSON"),
