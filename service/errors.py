@@ -19,6 +19,17 @@ from starlette.exceptions import HTTPException
 logger = logging.getLogger(__name__)
 
 MAX_ERRORS_SHOWN = 3
+MAX_NAME_CHARS = 64  # a client's field, parameter or tensor name quoted in a message
+MAX_MESSAGE_CHARS = 1000
+
+
+def shorten(name: object, limit: int = MAX_NAME_CHARS) -> str:
+    """`name` as text of at most `limit` characters (cut with "..." and its length): a message
+    may quote what the client sent, never all of it."""
+    text = str(name)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class ServiceError(Exception):
@@ -140,16 +151,17 @@ def error_response(
 
 
 def describe_validation_errors(errors: Any) -> str:
-    """A short message from pydantic errors: where and what, never the input itself."""
+    """A short message from pydantic errors: where and what, never the input itself; names in
+    the location (an unknown field's) are shortened (`shorten`)."""
     parts = []
     for error in list(errors)[:MAX_ERRORS_SHOWN]:
-        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        location = ".".join(shorten(part) for part in error.get("loc", ()) if part != "body")
         message = str(error.get("msg", "invalid value"))
         parts.append(f"{location}: {message}" if location else message)
     extra = len(list(errors)) - MAX_ERRORS_SHOWN
     if extra > 0:
         parts.append(f"and {extra} more")
-    return "; ".join(parts) or "invalid request"
+    return shorten("; ".join(parts), MAX_MESSAGE_CHARS) or "invalid request"
 
 
 async def _service_error(request: Request, exc: Exception) -> JSONResponse:

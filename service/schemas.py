@@ -24,7 +24,7 @@ MAX_TIMEOUT_MS = 3_600_000
 _REFUSED_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
-def _clean_text(text: str) -> str:
+def clean_text(text: str) -> str:
     """Refuse NUL, other control characters and lone surrogates, which no tokenizer should
     see; the message names the code point, never the text."""
     found = _REFUSED_CHARS.search(text)
@@ -36,7 +36,7 @@ def _clean_text(text: str) -> str:
 
 
 Text = Annotated[
-    StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS), AfterValidator(_clean_text)
+    StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS), AfterValidator(clean_text)
 ]
 FinishReason = Literal["eos", "length"]
 Task = Literal["translate", "summarize"]

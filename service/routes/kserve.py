@@ -22,7 +22,13 @@ from starlette.exceptions import HTTPException
 from service import kserve, pipeline
 from service.auth import require_api_key
 from service.deadline import request_deadline
-from service.errors import ModelNotFound, ServiceError, describe_validation_errors, status_of
+from service.errors import (
+    ModelNotFound,
+    ServiceError,
+    describe_validation_errors,
+    shorten,
+    status_of,
+)
 from service.registry import ModelEntry, ModelRegistry
 from service.routes.deps import RegistryDep, SettingsDep
 
@@ -143,9 +149,9 @@ def _known(registry: ModelRegistry, name: str, version: str) -> ModelEntry:
     """The model's entry (ready or not), or 404 for an unknown name or version."""
     entry = next((e for e in registry.entries if e.name == name), None)
     if entry is None:
-        raise ModelNotFound(f"no model {name!r} on this server")
+        raise ModelNotFound(f"no model {shorten(repr(name))} on this server")
     if version != kserve.MODEL_VERSION:
-        raise ModelNotFound(f"model {name!r} has no version {version!r}; "
+        raise ModelNotFound(f"model {name!r} has no version {shorten(repr(version))}; "
                             f"it has {kserve.MODEL_VERSION!r}")
     return entry
 

@@ -49,6 +49,7 @@ HOSTILE_BODIES: dict[str, tuple[bytes, str | None]] = {
     "one extremely long token": (json.dumps({"text": "a" * 1999}).encode(), JSON),
     "over the character limit": (json.dumps({"text": "ab " * 40_000}).encode(), JSON),
     "unknown field": (b'{"text": "abc", "temperature": 2}', JSON),
+    "100 KB unknown field name": (b'{"text": "abc", "' + b"x" * 100_000 + b'": 1}', JSON),
     "wrong types": (b'{"text": 5, "beam_size": "3"}', JSON),
     "negative limits": (b'{"text": "abc", "beam_size": -1, "max_new_tokens": 0}', JSON),
 }
@@ -104,6 +105,78 @@ async def test_ten_megabyte_bodies_get_413_declared_or_chunked(make_app: AppFact
     for response in (declared, chunked):
         assert response.status_code == 413
         assert assert_client_error(response)["error_type"] == "payload_too_large"
+
+
+V2_INFER = "/v2/models/translate-en-it/infer"
+HUGE_DIM = int("9" * 4000)  # parses (under Python's 4,300-digit limit); 8 of them: 32,000 digits
+
+
+def v2_body(data: Any = None, *, raw_data: str | None = None, **fields: Any) -> bytes:
+    """An infer body of one `text` input (json.dumps writes lone surrogates and control
+    characters as JSON escapes); `raw_data` is spliced in as the data's JSON."""
+    tensor: dict[str, Any] = {"name": "text", "shape": [1], "datatype": "BYTES",
+                              "data": data if data is not None else ["abc"]}
+    tensor.update(fields.pop("tensor", {}))
+    document = json.dumps({"inputs": [tensor], **fields})
+    if raw_data is not None:
+        document = document.replace('"data": ["abc"]', f'"data": {raw_data}')
+    return document.encode()
+
+
+V2_HOSTILE_BODIES: dict[str, tuple[bytes, str]] = {
+    "100,000-deep JSON": (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
+    "data nested 980 deep": (v2_body(raw_data="[" * 980 + '"abc"' + "]" * 980), "nested"),
+    "data nested 9 deep": (v2_body(raw_data="[" * 9 + '"abc"' + "]" * 9), "nested deeper"),
+    "shape of 32,000-digit product": (v2_body(tensor={"shape": [HUGE_DIM] * 8}), "shape"),
+    "lone surrogate in BYTES": (v2_body(["ab\ud800cd"]), "lone surrogate"),
+    "lone surrogate in the id": (v2_body(id="r\udc00"), "id: "),
+    "NUL in BYTES": (v2_body(["ab\u0000cd"]), "control character"),
+    "ESC in BYTES": (v2_body(["ab\u001b[31mcd"]), "control character"),
+    "100 KB parameter name": (v2_body(parameters={"p" * 100_000: 1}), "ppp..."),
+    "100 KB output name": (v2_body(outputs=[{"name": "o" * 100_000}]), "unknown output"),
+    "100 KB input name": (v2_body(tensor={"name": "i" * 100_000}), "expected one input"),
+    "100 KB datatype": (v2_body(tensor={"datatype": "D" * 100_000}), "datatype"),
+    "100 KB id": (v2_body(id="i" * 100_000), "id"),
+}
+
+
+@pytest.mark.parametrize("name", list(V2_HOSTILE_BODIES))
+async def test_hostile_v2_bodies_get_a_400_with_the_protocol_error(
+    make_app: AppFactory, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    content, message = V2_HOSTILE_BODIES[name]
+    async with serving(make_app()) as client:
+        response = await client.post(V2_INFER, content=content,
+                                     headers={"content-type": JSON})
+        after = await client.post(V2_INFER, content=v2_body())
+    assert response.status_code == 400, (response.status_code, response.text[:300])
+    body = response.json()
+    assert set(body) == {"error"} and message in body["error"], body
+    assert len(body["error"]) < 1000
+    assert after.status_code == 200 and after.json()["outputs"][0]["data"] == ["cba"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_v2_binary_texts_are_checked_like_json_ones(make_app: AppFactory) -> None:
+    from service import kserve
+
+    def binary(texts: list[bytes]) -> tuple[bytes, dict[str, str]]:
+        chunk = b"".join(len(t).to_bytes(4, "little") + t for t in texts)
+        header = json.dumps({"inputs": [{"name": "text", "shape": [len(texts)],
+                                         "datatype": "BYTES",
+                                         "parameters": {"binary_data_size": len(chunk)}}]})
+        return header.encode() + chunk, {kserve.HEADER_LENGTH: str(len(header))}
+
+    async with serving(make_app()) as client:
+        responses = [await client.post(V2_INFER, content=content, headers=headers)
+                     for content, headers in (binary([b"ab\x00c"]), binary([b"ab\x1bc"]),
+                                              binary([b"ab\xed\xa0\x80"]))]
+        fine = await client.post(V2_INFER, content=binary([b"abc"])[0],
+                                 headers=binary([b"abc"])[1])
+    assert [r.status_code for r in responses] == [400, 400, 400]
+    assert "control character" in responses[0].json()["error"]
+    assert "UTF-8" in responses[2].json()["error"]
+    assert fine.status_code == 200
 
 
 def test_tabs_newlines_and_other_scripts_are_still_welcome() -> None:
