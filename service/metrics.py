@@ -119,8 +119,9 @@ REJECTED_TOTAL = Counter(
 )
 CANCELLED_ROWS_TOTAL = Counter(
     "attnserve_cancelled_rows_total",
-    "Rows of streamed requests cancelled (client gone, or deadline passed), by where they were: "
-    "queued or decoding.",
+    "Rows cancelled because their request stopped waiting (client gone, deadline passed, or "
+    "another row of the request failed), by where they were: queued or decoding (left the "
+    "batch at the next decoder step).",
     ["model", "stage"],
     registry=REGISTRY,
 )

@@ -209,7 +209,8 @@ class BatchCounters(BaseModel):
     batches: int = Field(description="batches run (continuous: times rows joined the running one)")
     rows: int
     max_batch_rows: int
-    cancelled: int = Field(description="streamed rows cancelled because their client left")
+    cancelled: int = Field(description="rows cancelled because their request stopped waiting "
+                           "(client gone, deadline passed)")
     running: int = Field(description="rows of the batches generating now (cancelled ones excluded)")
 
 

@@ -203,7 +203,8 @@ def fuzzed_app(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     models = write_models(tmp_path_factory.mktemp("fuzz") / "models",
                           {"translate-en-it": "translate", "summarize-en": "summarize"})
-    def generate(sources: list[list[int]], beam_size: int, max_new_tokens: int) -> list[Any]:
+    def generate(sources: list[list[int]], beam_size: int, max_new_tokens: int,
+                 hooks: Any = None) -> list[Any]:
         # The fake model without its fault injection (it fails on unknown characters).
         return [reverse(source, max_new_tokens) for source in sources]
 
