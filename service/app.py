@@ -42,7 +42,7 @@ from service.registry import (
     onnx_loader,
     onnx_running_batch,
 )
-from service.routes import attention, generate, health, kserve, models, page
+from service.routes import attention, docs, generate, health, kserve, models, page
 from service.routes import metrics as metrics_route
 from service.settings import Settings
 
@@ -95,6 +95,9 @@ def create_app(
         summary="Translation and summarization on onnxruntime, with dynamic batching",
         version="0.1.0",
         lifespan=lifespan,
+        openapi_url=None,  # served by `service.routes.docs`, behind the API key
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.registry = registry
@@ -112,7 +115,7 @@ def create_app(
         app.include_router(router, dependencies=inference)
     # KServe v2: the protocol's own content types (JSON or the binary extension); `infer`
     # carries its own bearer-token dependency.
-    for router in (models.router, health.router, kserve.router, page.router):
+    for router in (models.router, health.router, kserve.router, page.router, docs.router):
         app.include_router(router)
     if settings.metrics_port is None:
         app.include_router(metrics_route.router)

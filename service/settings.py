@@ -131,6 +131,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(
         default=None, description="bearer token the inference routes require; None = open"
     )
+    public_metadata: bool = Field(
+        default=False, description="with api_key: the docs, the OpenAPI document and the model "
+        "listing stay open (else they need the token too)",
+    )
     cors_origins: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(), description="origins allowed by CORS, comma-separated; empty = closed"
     )

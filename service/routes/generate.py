@@ -28,7 +28,7 @@ from service.settings import Settings
 router = APIRouter(tags=["generate"])
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 413, 415, 422, 429, 500, 503, 504)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 408, 413, 415, 422, 429, 500, 503, 504)
 }
 GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,

@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from service import kserve, pipeline
-from service.auth import require_api_key
+from service.auth import require_api_key, require_api_key_for_metadata
 from service.deadline import request_deadline
 from service.errors import (
     ModelNotFound,
@@ -69,7 +69,7 @@ class KServeRoute(APIRoute):
 router = APIRouter(tags=["kserve v2"], route_class=KServeRoute)
 ERROR: dict[str, Any] = {"content": {"application/json": {"example": {"error": "..."}}}}
 RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: ERROR for code in (400, 404, 413, 429, 500, 503, 504)
+    code: ERROR for code in (400, 401, 404, 408, 413, 429, 500, 503, 504)
 }
 
 
@@ -94,12 +94,15 @@ async def server_ready(registry: RegistryDep) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/v2/models/{name}", responses=RESPONSES)
-@router.get("/v2/models/{name}/versions/{version}", responses=RESPONSES)
+@router.get("/v2/models/{name}", responses=RESPONSES,
+            dependencies=[Depends(require_api_key_for_metadata)])
+@router.get("/v2/models/{name}/versions/{version}", responses=RESPONSES,
+            dependencies=[Depends(require_api_key_for_metadata)])
 async def model_metadata(
     name: str, registry: RegistryDep, version: str = kserve.MODEL_VERSION
 ) -> kserve.ModelMetadata:
-    """The model's inputs and outputs (known while it loads)."""
+    """The model's inputs and outputs (known while it loads); with `api_key`, the token is
+    needed (unless `public_metadata`)."""
     _known(registry, name, version)
     return kserve.model_metadata(name)
 
