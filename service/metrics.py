@@ -125,6 +125,19 @@ CANCELLED_ROWS_TOTAL = Counter(
     ["model", "stage"],
     registry=REGISTRY,
 )
+CONNECTIONS_REFUSED_TOTAL = Counter(
+    "attnserve_connections_refused_total",
+    "Connections and requests cut off for their client's pace or number, by reason: "
+    "header_timeout, body_timeout (408 or closed), headers_too_large (431), "
+    "too_many_connections (503).",
+    ["reason"],
+    registry=REGISTRY,
+)
+OPEN_CONNECTIONS = Gauge(
+    "attnserve_open_connections",
+    "HTTP connections open on this process.",
+    registry=REGISTRY,
+)
 MODEL_INFO = Gauge(
     "attnserve_model_info",
     "Loaded models (value 1): task, execution provider in use and variant (fp32, fp16, int8).",
