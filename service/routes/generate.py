@@ -32,8 +32,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
 }
 GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,
+    # OpenAPI 3.1: the `schema` of an event stream describes each event (its SSE fields)
     200: {"content": {streaming.MEDIA_TYPE: {
-        "schema": {"type": "string"},
+        "schema": {"type": "object", "required": ["data"], "properties": {
+            "data": {"type": "string", "description": "JSON: a token event or the final one"},
+            "event": {"type": "string"}}},
         "description": "with `stream`: one `data: {json}` event per token, then a final one",
     }}},
 }

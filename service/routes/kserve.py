@@ -119,9 +119,28 @@ async def model_ready(
     return Response(status_code=200)
 
 
-@router.post("/v2/models/{name}/infer", responses=RESPONSES, dependencies=[Depends(require_api_key)])
+def _inlined(schema: Any, definitions: dict[str, Any] | None = None) -> Any:
+    """A JSON schema with its local `$ref`s (`#/$defs/...`) replaced by their definitions."""
+    if definitions is None:
+        definitions = schema.get("$defs", {}) if isinstance(schema, dict) else {}
+    if isinstance(schema, dict):
+        if "$ref" in schema:
+            return _inlined(definitions[schema["$ref"].rsplit("/", 1)[-1]], definitions)
+        return {k: _inlined(v, definitions) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inlined(item, definitions) for item in schema]
+    return schema
+
+
+# The body is read by hand (JSON or the binary extension); its JSON form documented here.
+INFER_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inlined(kserve.InferenceRequest.model_json_schema())}}}}
+
+
+@router.post("/v2/models/{name}/infer", responses=RESPONSES,
+             dependencies=[Depends(require_api_key)], openapi_extra=INFER_BODY)
 @router.post("/v2/models/{name}/versions/{version}/infer", responses=RESPONSES,
-             dependencies=[Depends(require_api_key)])
+             dependencies=[Depends(require_api_key)], openapi_extra=INFER_BODY)
 async def infer(
     name: str, request: Request, registry: RegistryDep, settings: SettingsDep,
     version: str = kserve.MODEL_VERSION,

@@ -9,6 +9,7 @@ no response is a 5xx or breaks the documented schema.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -189,9 +190,13 @@ def test_tabs_newlines_and_other_scripts_are_still_welcome() -> None:
 # ---- property-based fuzzing of the OpenAPI document ------------------------------------------
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings
+from datetime import timedelta
 
-FUZZ_EXAMPLES = 25
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+FUZZ_EXAMPLES = 25  # per operation: the fuzzing's time is bounded by examples x deadline
+FUZZ_DEADLINE = timedelta(seconds=10)  # each fuzzed request is answered within this
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +230,7 @@ def no_server_error_but_deadlines(ctx: Any, response: Any, case: Any) -> None:
     if response.status_code < 500:
         return
     body = response.json()
-    assert response.status_code == 504 and body["error_type"] == "deadline_exceeded", (
+    assert response.status_code == 504 and "deadline" in body["error"], (
         f"{response.status_code}: {body}"
     )
 
@@ -240,14 +245,92 @@ def test_fuzzed_requests_never_get_a_5xx_or_break_the_schema(fuzzed_app: Any) ->
     api = schemathesis.openapi.from_asgi("/openapi.json", fuzzed_app)
     operations = [result.ok() for result in api.get_all_operations()]
     assert len(operations) >= 7  # translate, summarize, attention, models, health x2, metrics
+    fuzzed = {f"{operation.method.upper()} {operation.path}" for operation in operations}
+    assert {"POST /v2/models/{name}/infer", "POST /v2/models/{name}/versions/{version}/infer",
+            "GET /v2/models/{name}"} <= fuzzed  # KServe v2 too, its infer body included
     checks = [no_server_error_but_deadlines, response_schema_conformance,
               status_code_conformance]
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=FUZZ_DEADLINE, database=None,
+                  derandomize=True, suppress_health_check=list(HealthCheck))
         def call(case: Any) -> None:
             case.call_and_validate(checks=checks)
 
         call()
+
+
+# Any JSON value, strings with any code point (lone surrogates and controls included).
+ANY_TEXT = st.text(st.characters(codec=None, categories=None), max_size=12)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | ANY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ANY_TEXT, inner, max_size=4),
+    max_leaves=20,
+)
+HUGE_INTEGERS = st.integers(min_value=-2, max_value=10**700)  # past 4,300 digits in products
+PARAMETERS = st.fixed_dictionaries({}, optional={
+    "beam_size": st.integers(-1, 10) | JSON_VALUES,
+    "max_new_tokens": st.integers(-1, 5000) | JSON_VALUES,
+    "binary_data_output": st.booleans() | JSON_VALUES}) | st.dictionaries(ANY_TEXT, JSON_VALUES)
+
+
+@st.composite
+def infer_documents(draw: Any) -> Any:
+    """A well-formed infer body of any texts (flat, as a column, with more dimensions of
+    size 1), often with one part replaced by something else: any JSON, huge dimensions."""
+    texts = draw(st.lists(ANY_TEXT, min_size=1, max_size=3))
+    shape: list[Any] = [len(texts)]
+    data: Any = texts
+    if draw(st.booleans()):  # a column
+        shape, data = [len(texts), 1], [[text] for text in texts]
+    for _ in range(draw(st.integers(0, 10))):  # more dimensions of size 1
+        shape, data = [1, *shape], [data]
+    tensor: dict[str, Any] = {"name": "text", "shape": shape, "datatype": "BYTES", "data": data}
+    document: dict[str, Any] = {"inputs": [tensor]}
+    if draw(st.booleans()):
+        document["id"] = draw(ANY_TEXT)
+    if draw(st.booleans()):
+        document["parameters"] = draw(PARAMETERS)
+    if draw(st.booleans()):
+        document["outputs"] = draw(st.lists(st.fixed_dictionaries(
+            {"name": st.sampled_from(["output", "finish_reason"]) | ANY_TEXT},
+            optional={"parameters": JSON_VALUES}), max_size=3))
+    part = draw(st.sampled_from(["none", "name", "shape", "datatype", "data", "dimension",
+                                 "id", "outputs", "inputs", "document"]))
+    if part == "dimension":
+        tensor["shape"] = draw(st.lists(HUGE_INTEGERS, min_size=1, max_size=9))
+    elif part in ("name", "shape", "datatype", "data"):
+        tensor[part] = draw(JSON_VALUES)
+    elif part in ("id", "outputs", "inputs"):
+        document[part] = draw(JSON_VALUES)
+    elif part == "document":
+        return draw(JSON_VALUES)
+    return document
+
+
+@given(document=infer_documents(), binary=st.binary(max_size=40),
+       header_length=st.none() | st.integers(-5, 2000).map(str) | ANY_TEXT)
+@settings(max_examples=400, deadline=FUZZ_DEADLINE, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_fuzzed_v2_bodies_parse_or_raise_invalid_input(
+    document: Any, binary: bytes, header_length: str | None
+) -> None:
+    """KServe v2 parsing of any JSON (and any binary part): an `Inference` whose texts are
+    clean and fill their shape, or `InvalidInput` with a short message -- never another error;
+    the response to a parsed request serialises."""
+    from service import kserve
+    from service.errors import InvalidInput
+    from service.schemas import clean_text
+
+    header = json.dumps(document).encode()
+    body = header + binary if header_length is not None else header
+    try:
+        parsed = kserve.parse_request(body, header_length)
+    except InvalidInput as error:
+        assert len(error.message) < 1000
+        return
+    assert all(clean_text(text) == text and text.strip() for text in parsed.texts)
+    assert len(parsed.texts) == math.prod(parsed.shape)
+    kserve.response_body("m", parsed, {"output": parsed.texts,
+                                       "finish_reason": ["eos"] * len(parsed.texts)})
