@@ -48,6 +48,12 @@ FD_GROWTH_BOUND = 10
 PROBE_MAX_S = 0.5
 MODELS = os.environ.get("ATTNSERVE_RELIABILITY_MODELS")  # None: the fake models
 STARTUP_S = 300 if MODELS else 90
+if MODELS:  # a sentence of the kind served, so that the model, not HTTP, is the bottleneck
+    BODY = {"text": "The city council met on Tuesday to discuss the new budget for public "
+                    "transport, and members voted to fund more buses and parks."}
+# Clients that keep the batches full: the fake model's batches of 2 rows, the real models'
+# running batches of up to 64 (max_batch_size)
+CAPACITY_CONCURRENCY = 64 if MODELS else 8
 
 
 @contextmanager
@@ -95,7 +101,8 @@ def process_stats(pid: int) -> tuple[int, int]:
 
 def measure_capacity(base: str) -> float:
     """Goodput (requests/s) of a closed loop that keeps the batches full without 429s."""
-    result = asyncio.run(closed_loop(f"{base}/v1/translate", BODY, 8, CAPACITY_S,
+    result = asyncio.run(closed_loop(f"{base}/v1/translate", BODY, CAPACITY_CONCURRENCY,
+                                     CAPACITY_S,
                                      headers=HEADERS))
     assert set(result.statuses()) == {200}, result.summary()
     return result.goodput(1.0, CAPACITY_S)  # the first second warms up
@@ -127,7 +134,9 @@ def test_three_times_capacity_keeps_goodput_and_liveness() -> None:
     report("overload", figures)
     assert statuses[TRANSPORT_ERROR] == 0, figures
     assert set(statuses) <= {200, 429, 503, 504}, figures
-    assert statuses[429] > 0, figures  # it was overloaded
+    # it was overloaded: refused at the queue (429) or past the deadline (504; real models,
+    # whose queue of max_queue_size rows holds more than the deadline's worth)
+    assert statuses[429] + statuses[503] + statuses[504] > 0, figures
     assert steady >= 0.9 * capacity, figures
     assert result.probes and all(p.status == 200 for p in result.probes), figures
     assert max(p.latency_s for p in result.probes) <= PROBE_MAX_S, figures
