@@ -86,7 +86,7 @@ class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
-        metrics.OPEN_CONNECTIONS.set(len(self.connections))
+        metrics.OPEN_CONNECTIONS.inc()
         if len(self.connections) > self.guard.max_connections:
             self._refuse(503, f"more than {self.guard.max_connections} open connections; "
                          "retry later", "overloaded", "too_many_connections")
@@ -110,7 +110,7 @@ class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
         super().connection_lost(exc)
-        metrics.OPEN_CONNECTIONS.set(len(self.connections))
+        metrics.OPEN_CONNECTIONS.dec()
 
     # ---- uvicorn's hooks
 
