@@ -28,7 +28,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from service.errors import InvalidInput, describe_validation_errors, shorten
 from service.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, clean_text
@@ -95,7 +104,9 @@ class InputTensor(BaseModel):
     """An input tensor: data inline (JSON) or in the binary part (`binary_data_size`)."""
 
     name: StrictStr
-    shape: Annotated[list[Annotated[StrictInt, Field(ge=0, le=MAX_DIM)]], Field(max_length=MAX_DIMS)]
+    shape: Annotated[
+        list[Annotated[StrictInt, Field(ge=0, le=MAX_DIM)]], Field(max_length=MAX_DIMS)
+    ]
     datatype: StrictStr
     parameters: dict[str, Any] | None = None
     data: Any = None
@@ -111,7 +122,9 @@ class RequestedOutput(BaseModel):
 class InferenceRequest(BaseModel):
     """Body (or JSON header) of `POST /v2/models/{name}/infer`."""
 
-    id: Annotated[StrictStr, Field(max_length=MAX_ID_CHARS), AfterValidator(clean_text)] | None = None
+    id: Annotated[
+        StrictStr, Field(max_length=MAX_ID_CHARS), AfterValidator(clean_text)
+    ] | None = None
     parameters: dict[str, Any] | None = None
     inputs: Annotated[list[InputTensor], Field(min_length=1)]
     outputs: list[RequestedOutput] | None = None
@@ -220,7 +233,8 @@ def _texts(tensor: InputTensor, binary: bytes) -> list[str]:
     size = (tensor.parameters or {}).get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size != len(binary):
-            raise InvalidInput(f"inputs.{INPUT}: binary_data_size {shorten(repr(size))} does not match the "
+            raise InvalidInput(f"inputs.{INPUT}: binary_data_size {shorten(repr(size))} "
+                               "does not match the "
                                f"{len(binary)} bytes after the JSON header")
         if tensor.data is not None:
             raise InvalidInput(f"inputs.{INPUT}: give data or binary_data_size, not both")

@@ -200,7 +200,9 @@ class Settings(BaseSettings):
     def drain_timeout_s(self) -> float:
         """How long a shutdown waits for in-flight work: `graceful_timeout_s`, or
         `request_timeout_s` when not set."""
-        return self.request_timeout_s if self.graceful_timeout_s is None else self.graceful_timeout_s
+        if self.graceful_timeout_s is None:
+            return self.request_timeout_s
+        return self.graceful_timeout_s
 
     def batch_workers_on(self, provider: str) -> int:
         """Batch workers per model on `provider` (`batch_workers`, or its default)."""

@@ -248,7 +248,8 @@ async def test_the_page_has_security_headers_and_its_csp_runs_only_its_own_scrip
     assert headers["x-frame-options"] == "DENY"
     assert headers["x-content-type-options"] == "nosniff"
     assert headers["referrer-policy"] == "no-referrer"
-    policy = dict(part.strip().split(" ", 1) for part in headers["content-security-policy"].split(";"))
+    policy = dict(part.strip().split(" ", 1)
+                  for part in headers["content-security-policy"].split(";"))
     (script,) = re.findall(r"<script>(.*?)</script>", page.text, flags=re.DOTALL)
     digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
     assert policy["script-src"] == f"'sha256-{digest}'"  # no 'unsafe-inline' for scripts
