@@ -69,11 +69,18 @@ def raw_error(status: int, message: str, error_type: str) -> bytes:
     return head.encode("ascii") + body
 
 
-class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
-    """uvicorn's HTTP protocol with the header timeout, header size limit, connection cap and
-    JSON error body of the module's docstring; `limits` None: from the environment."""
+class Guards:
+    """The header timeout, header size limit, connection cap and JSON error body of the
+    module's docstring, mixed into one of uvicorn's HTTP protocols (httptools' or h11's: both
+    have `cycle`, `connections`, `transport`, `loop` and these hooks); `limits` None: from the
+    environment."""
 
     limits: ConnectionLimits | None = None
+    # what the protocol provides
+    cycle: Any
+    connections: set[Any]
+    transport: Any
+    loop: asyncio.AbstractEventLoop
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -162,10 +169,15 @@ class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         self.transport.close()
 
 
-def guarded_protocol(settings: Settings) -> type[GuardedProtocol]:
-    """`GuardedProtocol` with the limits of `settings` (one process: no import needed)."""
-    return type("GuardedProtocol", (GuardedProtocol,),
-                {"limits": ConnectionLimits.from_settings(settings)})
+class GuardedProtocol(Guards, AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    """uvicorn's HTTP protocol (httptools' when installed, else h11's) with the guards."""
+
+
+def guarded_protocol(settings: Settings, base: type[Any] | None = None) -> type[Any]:
+    """`GuardedProtocol` with the limits of `settings` (one process: no import needed); on
+    `base`, one of uvicorn's protocols, when given."""
+    bases = (Guards, base) if base is not None else (GuardedProtocol,)
+    return type("GuardedProtocol", bases, {"limits": ConnectionLimits.from_settings(settings)})
 
 
 def uvicorn_options(settings: Settings, *, workers: bool = False) -> dict[str, Any]:

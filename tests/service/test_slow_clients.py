@@ -1,7 +1,8 @@
-"""Slow, many and careless clients against a real uvicorn server with the service's protocol
-(`service.server.GuardedProtocol`) and middlewares: header and body read timeouts, the
-header size limit, the connection cap, the cap on concurrent large responses, a 10 MB body a
-plain client can read the 413 of, and the JSON error body for requests the parser refuses.
+"""Slow, many and careless clients against a real uvicorn server with the service's guards
+(`service.server.Guards`, on httptools' protocol and on h11's) and middlewares: header and body
+read timeouts, the header size limit, the connection cap, the cap on concurrent large
+responses, a 10 MB body a plain client can read the 413 of, and the JSON error body for
+requests the parser refuses.
 
 Timeouts are short here (a fraction of a second) and every wait polls with a generous bound,
 so the tests hold on a slow, loaded machine.
@@ -21,6 +22,8 @@ from typing import Any
 
 import httpx
 import pytest
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.app import create_app
 from service.metrics import REGISTRY
@@ -48,16 +51,23 @@ def poll(condition: Any) -> None:
         time.sleep(0.01)
 
 
-@contextmanager
-def server(models_dir: Path, **overrides: Any) -> Iterator[tuple[str, int]]:
-    """The app over the fake models behind uvicorn with the service's protocol; (host, port)."""
-    settings = Settings(models_dir=models_dir, batch_workers=1, **overrides)
-    app = create_app(settings, loader=FakeLoader(),
-                     generator=lambda runtime: FakeModel().generate)
-    with serve(app, http=guarded_protocol(settings), timeout_keep_alive=30) as url:
-        wait_until_ready(url)
-        host, port = url.removeprefix("http://").split(":")
-        yield host, int(port)
+@pytest.fixture(params=["httptools", "h11"])
+def server(request: pytest.FixtureRequest, models_dir: Path) -> Any:
+    """`server(**settings)`: the app over the fake models behind uvicorn with the service's
+    guards on httptools' protocol, then on h11's; a context manager of (host, port)."""
+    base = HttpToolsProtocol if request.param == "httptools" else H11Protocol
+
+    @contextmanager
+    def start(**overrides: Any) -> Iterator[tuple[str, int]]:
+        settings = Settings(models_dir=models_dir, batch_workers=1, **overrides)
+        app = create_app(settings, loader=FakeLoader(),
+                         generator=lambda runtime: FakeModel().generate)
+        with serve(app, http=guarded_protocol(settings, base), timeout_keep_alive=30) as url:
+            wait_until_ready(url)
+            host, port = url.removeprefix("http://").split(":")
+            yield host, int(port)
+
+    return start
 
 
 def read_until_closed(connection: socket.socket) -> bytes:
@@ -81,9 +91,9 @@ def parse(raw: bytes) -> tuple[int, dict[str, str], Any]:
     return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, json.loads(body)
 
 
-def test_headers_that_never_finish_get_408_and_the_connection_closed(models_dir: Path) -> None:
+def test_headers_that_never_finish_get_408_and_the_connection_closed(server: Any) -> None:
     before = refused("header_timeout")
-    with server(models_dir, header_timeout_s=0.5) as address:
+    with server(header_timeout_s=0.5) as address:
         started = time.monotonic()
         with socket.create_connection(address) as slow:
             slow.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: test\r\nContent-Ty")
@@ -100,11 +110,11 @@ def test_headers_that_never_finish_get_408_and_the_connection_closed(models_dir:
 
 
 def test_the_header_timeout_applies_to_each_request_of_a_kept_alive_connection(
-    models_dir: Path,
+    server: Any,
 ) -> None:
     request = (b"POST /v1/translate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                b"Content-Length: 15\r\n\r\n{\"text\": \"abc\"}")
-    with server(models_dir, header_timeout_s=1.0) as address, \
+    with server(header_timeout_s=1.0) as address, \
             socket.create_connection(address) as connection:
         connection.sendall(request)
         connection.settimeout(READ_BOUND_S)
@@ -119,10 +129,10 @@ def test_the_header_timeout_applies_to_each_request_of_a_kept_alive_connection(
     ("/v1/translate", {"error", "error_type"}), ("/v2/models/translate-en-it/infer", {"error"}),
 ])
 def test_a_body_that_stalls_gets_408_and_the_connection_closed(
-    models_dir: Path, path: str, error_keys: set[str]
+    server: Any, path: str, error_keys: set[str]
 ) -> None:
     before = refused("body_timeout")
-    with server(models_dir, body_timeout_s=0.5) as address, \
+    with server(body_timeout_s=0.5) as address, \
             socket.create_connection(address) as slow:
         slow.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      "Content-Length: 100\r\n\r\n".encode() + b'{"text": "')  # 10 of 100 bytes
@@ -132,9 +142,9 @@ def test_a_body_that_stalls_gets_408_and_the_connection_closed(
     assert refused("body_timeout") == before + 1
 
 
-def test_connections_over_the_cap_get_503_and_the_others_are_served(models_dir: Path) -> None:
+def test_connections_over_the_cap_get_503_and_the_others_are_served(server: Any) -> None:
     before = refused("too_many_connections")
-    with server(models_dir, max_connections=3) as address:
+    with server(max_connections=3) as address:
         open_before = open_connections()
         idle = [socket.create_connection(address) for _ in range(3)]
         try:
@@ -160,8 +170,8 @@ def test_connections_over_the_cap_get_503_and_the_others_are_served(models_dir: 
     assert refused("too_many_connections") >= before + 1
 
 
-def test_headers_over_the_size_limit_get_431(models_dir: Path) -> None:
-    with server(models_dir, max_header_bytes=2048) as address, \
+def test_headers_over_the_size_limit_get_431(server: Any) -> None:
+    with server(max_header_bytes=2048) as address, \
             socket.create_connection(address) as connection:
         connection.sendall(b"GET /health/live HTTP/1.1\r\nHost: test\r\nX-Big: " + b"a" * 4096)
         status, _, body = parse(read_until_closed(connection))
@@ -173,18 +183,18 @@ def test_headers_over_the_size_limit_get_431(models_dir: Path) -> None:
     b"POST /v1/translate HTTP/1.1\r\nHost: test\r\nContent-Length: 1, 2\r\n\r\n",
     b"NOT A REQUEST LINE\r\n\r\n",
 ])
-def test_requests_the_parser_refuses_get_the_json_error_body(models_dir: Path, head: bytes) -> None:
-    with server(models_dir) as address, socket.create_connection(address) as connection:
+def test_requests_the_parser_refuses_get_the_json_error_body(server: Any, head: bytes) -> None:
+    with server() as address, socket.create_connection(address) as connection:
         connection.sendall(head)
         status, headers, body = parse(read_until_closed(connection))
     assert status == 400 and headers["content-type"] == "application/json"
     assert body["error_type"] == "bad_request" and body["error"].startswith("malformed HTTP")
 
 
-def test_a_plain_client_reads_the_413_of_a_10_mb_body(models_dir: Path) -> None:
+def test_a_plain_client_reads_the_413_of_a_10_mb_body(server: Any) -> None:
     """urllib sends the whole body before it reads: the server reads (and drops) it, then
     answers, instead of resetting the connection under it."""
-    with server(models_dir) as (host, port):
+    with server() as (host, port):
         request = urllib.request.Request(
             f"http://{host}:{port}/v1/translate", data=b"{" + b" " * (10 * 1024 * 1024) + b"}",
             headers={"Content-Type": "application/json"}, method="POST")
@@ -197,11 +207,11 @@ def test_a_plain_client_reads_the_413_of_a_10_mb_body(models_dir: Path) -> None:
                     "error_type": "payload_too_large"}
 
 
-def test_concurrent_large_responses_are_capped(models_dir: Path) -> None:
+def test_concurrent_large_responses_are_capped(server: Any) -> None:
     """A client that trickles its /v1/attention body holds one of the `max_large_responses`
     slots; one more attention request gets 429, other routes do not notice, and the slot comes
     back when that client is cut off."""
-    with server(models_dir, max_large_responses=1, body_timeout_s=2) as (host, port):
+    with server(max_large_responses=1, body_timeout_s=2) as (host, port):
         url = f"http://{host}:{port}"
         with socket.create_connection((host, port)) as slow:
             slow.sendall(b"POST /v1/attention HTTP/1.1\r\nHost: test\r\n"
