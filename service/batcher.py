@@ -232,6 +232,8 @@ class Batcher:
         `InternalError` when the batch of any row failed.
         """
         futures = self.enqueue(sources, beam_size, max_new_tokens, deadline=deadline)
+        if not futures:
+            return []
         try:
             # `wait`, not `gather`: cancelling this wait leaves the rows' futures to `cancel`
             await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
