@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import signal
 import threading
 from types import FrameType
@@ -22,7 +21,8 @@ _SETTING_FLAGS = (
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "length_routing",
     "max_join_wait_ms", "max_join_age", "greedy_scores", "spinning", "cpu_memory_arena", "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
-    "fail_on_model_error",
+    "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
+    "max_large_responses", "public_metadata",
 )
 
 
@@ -81,7 +81,8 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    help="rows waiting per model before 429 (default 256)")
     p.add_argument("--request-timeout-s", type=float, help="deadline per request (default 60)")
     p.add_argument("--graceful-timeout-s", type=float,
-                   help="how long SIGTERM waits for in-flight requests (default 30)")
+                   help="how long SIGTERM waits for in-flight requests (default: the request "
+                   "timeout; never less)")
     p.add_argument("--shutdown-delay-s", type=float,
                    help="after SIGTERM keep accepting requests this long, readiness 503, "
                    "so load balancers stop routing first (default 0)")
@@ -92,6 +93,17 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    help="serve /metrics on this port instead of the main one (workers=1)")
     p.add_argument("--cors-origins",
                    help="origins allowed by CORS, comma-separated (default: none, closed)")
+    p.add_argument("--header-timeout-s", type=float,
+                   help="a request's headers must arrive within this, else 408 (default 10)")
+    p.add_argument("--body-timeout-s", type=float,
+                   help="a request's body must arrive within this of its headers, else 408 "
+                   "(default 30)")
+    p.add_argument("--max-connections", type=int,
+                   help="open connections per process; more are answered 503 (default 1000)")
+    p.add_argument("--max-large-responses", type=int,
+                   help="concurrent /v1/attention requests; more get 429 (default 4)")
+    p.add_argument("--public-metadata", action="store_const", const=True,
+                   help="with an API key, leave the docs and the model listing open")
     p.add_argument("--fail-on-model-error", action="store_const", const=True,
                    help="exit (non-zero status) when a model fails to load, instead of staying "
                    "live and not ready")
@@ -110,6 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from service.api.app import create_app
+    from service.server import uvicorn_options
 
     try:
         settings = settings_from_args(args)
@@ -128,15 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         start_metrics_server(settings.metrics_port, settings.host)
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        workers=1,  # one process owns the models and the batcher (see service/observability/metrics.py)
-        lifespan="on",
-        timeout_graceful_shutdown=math.ceil(settings.graceful_timeout_s),
-        log_config=None,  # keep the logging set up by `attnserve --log-level`
-    )
+    # one process owns the models and the batcher (see service/metrics.py)
+    config = uvicorn.Config(app, workers=1, **uvicorn_options(settings))
     server = _draining_server(config, app.state.registry, settings.shutdown_delay_s)
     # uvicorn re-raises the signal that stopped it once it has drained; with this handler
     # in place a drained SIGTERM (or Ctrl-C) ends the process with status 0.

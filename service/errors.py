@@ -3,6 +3,17 @@ HTTP status and turns any error into the JSON error body."""
 
 from __future__ import annotations
 
+MAX_NAME_CHARS = 64  # a client's field, parameter or tensor name quoted in a message
+
+
+def shorten(name: object, limit: int = MAX_NAME_CHARS) -> str:
+    """`name` as text of at most `limit` characters (cut with "..." and its length): a message
+    may quote what the client sent, never all of it."""
+    text = str(name)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
 
 class ServiceError(Exception):
     """Base of the errors the service answers with; `error_type` names it in the body."""

@@ -16,6 +16,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -151,7 +152,7 @@ class ModelRegistry:
         if self.draining:
             return "the server is shutting down"
         if not self._entries:
-            return f"no models found in {self.settings.models_dir}"
+            return "no models found in the models folder"
         waiting = [f"{e.name} ({e.state})" for e in self._entries.values() if e.state != "ready"]
         return "models not ready: " + ", ".join(waiting)
 
@@ -246,7 +247,7 @@ class ModelRegistry:
             except Exception as error:  # any failure leaves the server live, not ready
                 logger.error("model %s failed to load from %s: %s: %s", entry.name, entry.path,
                              type(error).__name__, error, exc_info=error)
-                message = f"{type(error).__name__}: {error}"
+                message = public_error(f"{type(error).__name__}: {error}", entry.path)
                 self._publish(loop, self._on_failed, entry, message)
                 continue
             seconds = time.perf_counter() - start
@@ -306,6 +307,19 @@ class ModelRegistry:
     def _on_failed(self, entry: ModelEntry, message: str) -> None:
         entry.state = "failed"
         entry.error = message
+
+
+# An absolute path of two or more parts (POSIX, or Windows with a drive letter).
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])(?:[A-Za-z]:)?(?:[/\\][^\s/\\'\"`:;,()\[\]]+){2,}")
+
+
+def public_error(message: str, model_path: Path) -> str:
+    """`message` without the server's file-system paths: the model's folder becomes its name,
+    any other absolute path its last part (".../decoder.onnx"). For `GET /v1/models`; the log
+    keeps the full message."""
+    for folder in {str(model_path.resolve()), str(model_path)}:
+        message = message.replace(folder, model_path.name)
+    return _ABSOLUTE_PATH.sub(lambda m: ".../" + re.split(r"[/\\]", m.group())[-1], message)
 
 
 def _manifest_task(path: Path) -> str | None:

@@ -122,14 +122,43 @@ class Settings(BaseSettings):
         default=60.0, gt=0,
         description="per request: the default and the cap of its X-Request-Timeout-Ms header",
     )
-    graceful_timeout_s: float = Field(default=30.0, ge=0, description="drain after SIGTERM")
+    graceful_timeout_s: float | None = Field(
+        default=None, ge=0, description="drain after SIGTERM; at least request_timeout_s, which "
+        "a request admitted just before may still take; None = request_timeout_s",
+    )
     shutdown_delay_s: float = Field(
         default=0.0, ge=0, description="after SIGTERM, keep accepting (readiness 503) this long"
+    )
+
+    # Slow and many clients (`service.server`, `service.api.app`).
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="a connection's request headers must arrive within this "
+        "(from its opening or its previous response); else 408 and closed",
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="a request's body must arrive within this of its "
+        "headers; else 408 and closed",
+    )
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024, description="larger headers: 431")
+    max_connections: int = Field(
+        default=1000, ge=1, description="open connections per process; more are answered 503 "
+        "and closed",
+    )
+    keep_alive_timeout_s: float = Field(
+        default=5.0, gt=0, description="an idle keep-alive connection is closed after this"
+    )
+    max_large_responses: int = Field(
+        default=4, ge=1, description="concurrent /v1/attention requests (their responses run to "
+        "megabytes, held until a slow client has read them); more get 429",
     )
 
     # Security and operations.
     api_key: SecretStr | None = Field(
         default=None, description="bearer token the inference routes require; None = open"
+    )
+    public_metadata: bool = Field(
+        default=False, description="with api_key: the docs, the OpenAPI document and the model "
+        "listing stay open (else they need the token too)",
     )
     cors_origins: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(), description="origins allowed by CORS, comma-separated; empty = closed"
@@ -167,6 +196,14 @@ class Settings(BaseSettings):
             raise ValueError("at least one execution provider is needed")
         return value
 
+    @property
+    def drain_timeout_s(self) -> float:
+        """How long a shutdown waits for in-flight work: `graceful_timeout_s`, or
+        `request_timeout_s` when not set."""
+        if self.graceful_timeout_s is None:
+            return self.request_timeout_s
+        return self.graceful_timeout_s
+
     def batch_workers_on(self, provider: str) -> int:
         """Batch workers per model on `provider` (`batch_workers`, or its default)."""
         if self.batch_workers:
@@ -186,4 +223,7 @@ class Settings(BaseSettings):
             raise ValueError("max_texts must not exceed max_queue_size")
         if self.metrics_port is not None and self.workers > 1:
             raise ValueError("metrics_port needs workers=1 (each worker has its own metrics)")
+        if self.graceful_timeout_s is not None and self.graceful_timeout_s < self.request_timeout_s:
+            raise ValueError("graceful_timeout_s must be at least request_timeout_s: a request "
+                             "admitted just before the shutdown may take that long")
         return self

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -57,13 +56,8 @@ def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) ->
 
     os.environ.update(environ if environ is not None else settings_environment(settings))
     os.environ[LOG_LEVEL_VARIABLE] = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    options: dict[str, Any] = {
-        "host": settings.host,
-        "port": settings.port,
-        "workers": settings.workers,
-        "factory": True,
-        "lifespan": "on",
-        "timeout_graceful_shutdown": math.ceil(settings.graceful_timeout_s),
-        "log_config": None,
-    }
+    from service.server import uvicorn_options
+
+    options: dict[str, Any] = {**uvicorn_options(settings, workers=True),
+                               "workers": settings.workers, "factory": True}
     uvicorn.run("service.workers:app_from_environment", **options)

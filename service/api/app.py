@@ -2,11 +2,17 @@
 
 The lifespan starts loading the models in the background (the app answers `/health/live` at
 once and turns ready when they are loaded; one of several `--workers` processes instead waits
-for them before it accepts connections) and, at shutdown, drains the batchers. Two ASGI
-middlewares sit around the routes: one records `requests_total` and
-`request_duration_seconds` by route template (never the raw path), one refuses bodies over
-`max_body_bytes` with a 413. Routers declare full paths (no prefixes), so the matched route's
-`path` is the template whichever way FastAPI includes routers.
+for them before it accepts connections) and, at shutdown, drains the batchers. ASGI
+middlewares sit around the routes, outermost first: one records `requests_total` and
+`request_duration_seconds` by route template (never the raw path); one answers 408 when a
+request's body has not arrived within `body_timeout_s`; one answers 429 beyond
+`max_large_responses` concurrent `/v1/attention` requests, whose responses run to megabytes and
+are held until the client has read them; one refuses bodies over `max_body_bytes` with a 413,
+after reading the rest of the body (up to `DRAIN_BYTES`) so that a client that sends it all
+before it reads -- most do -- gets the 413 rather than a reset connection. Routers declare full
+paths (no prefixes), so the matched route's `path` is the template whichever way FastAPI
+includes routers. The connection-level guards (header timeout, connection cap) are the
+server's: `service.server`.
 
 Security and operations: the inference routes take JSON only (415) and need the bearer token
 when `api_key` is set (`service.api.auth`); CORS is closed unless `cors_origins` lists origins;
@@ -17,6 +23,7 @@ not on this app; with `fail_on_model_error` a model that fails to load makes the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +39,7 @@ from service.api.auth import require_api_key
 from service.api.deadline import HEADER as TIMEOUT_HEADER
 from service.api.errors import error_response, install_error_handlers
 from service.api.media_type import require_json
-from service.api.routes import attention, generate, health, kserve, models, page, prometheus
+from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
 from service.observability import metrics
 from service.registry import (
     GeneratorFactory,
@@ -48,6 +55,8 @@ from service.settings import Settings
 logger = logging.getLogger(__name__)
 
 UNMATCHED_ROUTE = "unmatched"
+LARGE_RESPONSE_PATHS = frozenset({"/v1/attention"})
+DRAIN_BYTES = 16 * 1024 * 1024  # read at most this much of a body refused for its size
 
 
 class ModelLoadFailed(RuntimeError):
@@ -87,31 +96,37 @@ def create_app(
         try:
             yield
         finally:
-            await registry.close(settings.graceful_timeout_s)
+            await registry.close(settings.drain_timeout_s)
 
     app = FastAPI(
         title="attnserve",
         summary="Translation and summarization on onnxruntime, with dynamic batching",
         version="0.1.0",
         lifespan=lifespan,
+        openapi_url=None,  # served by `service.api.routes.docs`, behind the API key
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.registry = registry
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ConcurrencyLimitMiddleware, paths=LARGE_RESPONSE_PATHS,
+                       limit=settings.max_large_responses, retry_after_s=settings.retry_after_s)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", TIMEOUT_HEADER],
         )
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
     inference = [Depends(require_api_key), Depends(require_json)]
     for router in (generate.router, attention.router):
         app.include_router(router, dependencies=inference)
     # KServe v2: the protocol's own content types (JSON or the binary extension); `infer`
     # carries its own bearer-token dependency.
-    for router in (models.router, health.router, kserve.router, page.router):
+    for router in (models.router, health.router, kserve.router, page.router, docs.router):
         app.include_router(router)
     if settings.metrics_port is None:
         app.include_router(prometheus.router)
@@ -163,7 +178,12 @@ class RequestMetricsMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 with the error body for a request body over `max_body_bytes` (declared or streamed)."""
+    """413 with the error body for a request body over `max_body_bytes` (declared or streamed).
+
+    The rest of the body is read first, up to `DRAIN_BYTES` (a client that sends its whole
+    body before reading the answer would otherwise see the connection reset, not the 413);
+    past that, or when the client waits for `100 Continue`, the 413 closes the connection.
+    """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app = app
@@ -175,7 +195,11 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_body_bytes:
-            response = error_response(413, self._message(), "payload_too_large")
+            headers = dict(scope.get("headers", []))
+            drained = (headers.get(b"expect", b"").lower() != b"100-continue"
+                       and declared <= DRAIN_BYTES and await _drain(receive, DRAIN_BYTES))
+            response = error_response(413, self._message(), "payload_too_large",
+                                      None if drained else {"Connection": "close"})
             await response(scope, receive, send)
             return
         received = 0
@@ -186,14 +210,100 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
+                    drained = not message.get("more_body", False) or await _drain(
+                        receive, DRAIN_BYTES - received)
                     # HTTPException passes FastAPI's body parsing unchanged -> handler -> 413.
-                    raise HTTPException(413, self._message())
+                    raise HTTPException(413, self._message(),
+                                        None if drained else {"Connection": "close"})
             return message
 
         await self.app(scope, receive_within_limit, send)
 
     def _message(self) -> str:
         return f"request body larger than {self.max_body_bytes} bytes"
+
+
+async def _drain(receive: Receive, limit: int) -> bool:
+    """Read and drop the rest of a request body; False when it goes past `limit` bytes, its
+    deadline passes or the client leaves first."""
+    read = 0
+    while read <= limit:
+        try:
+            message = await receive()
+        except HTTPException:  # the body's deadline passed (BodyTimeoutMiddleware)
+            return False
+        if message["type"] != "http.request":
+            return False
+        read += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return read <= limit
+    return False
+
+
+class BodyTimeoutMiddleware:
+    """408 (`Connection: close`) when a request's body has not fully arrived within
+    `timeout_s` of the request's start; counted in `connections_refused_total{reason=
+    "body_timeout"}`. Once the body is complete, `receive` is passed through untimed (it then
+    waits for the client's disconnect)."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        complete = False
+
+        async def receive_in_time() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                metrics.CONNECTIONS_REFUSED_TOTAL.labels("body_timeout").inc()
+                raise HTTPException(
+                    408, f"the request body did not arrive within {self.timeout_s:g}s",
+                    {"Connection": "close"}) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
+            return message
+
+        await self.app(scope, receive_in_time, send)
+
+
+class ConcurrencyLimitMiddleware:
+    """At most `limit` requests to `paths` at once, each counted until its response is sent;
+    one more gets 429 with `Retry-After` (`rejected_total{reason="large_responses"}`)."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str], limit: int,
+                 retry_after_s: int) -> None:
+        self.app = app
+        self.paths = paths
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.active = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            metrics.REJECTED_TOTAL.labels("", "large_responses").inc()
+            response = error_response(
+                429, f"more than {self.limit} large responses at once; retry later",
+                "overloaded", {"Retry-After": str(self.retry_after_s)})
+            await response(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
 
 
 def _content_length(scope: Scope) -> int | None:

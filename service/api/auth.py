@@ -1,8 +1,13 @@
-"""Optional bearer-token auth of the inference routes (`ATTNSERVE_API_KEY`).
+"""Optional bearer-token auth (`ATTNSERVE_API_KEY`).
 
 With no key configured every request passes. With one, a request needs the header
 `Authorization: Bearer <key>`; the comparison is constant-time (`hmac.compare_digest`) and a
 missing or wrong token gets a 401 with the error body and `WWW-Authenticate: Bearer`.
+
+The inference routes need it (`require_api_key`); so do the API's descriptions -- `/docs`,
+`/redoc`, `/openapi.json`, `GET /v1/models`, the KServe model metadata -- unless
+`public_metadata` opens them (`require_api_key_for_metadata`). Probes, metrics and the page
+stay open.
 """
 
 from __future__ import annotations
@@ -33,3 +38,10 @@ def check_api_key(authorization: str | None, settings: Settings) -> None:
 async def require_api_key(request: Request) -> None:
     """Dependency of the inference routers: the app's settings decide."""
     check_api_key(request.headers.get("authorization"), request.app.state.settings)
+
+
+async def require_api_key_for_metadata(request: Request) -> None:
+    """Dependency of the docs and the model listing: the key, unless `public_metadata`."""
+    settings: Settings = request.app.state.settings
+    if not settings.public_metadata:
+        check_api_key(request.headers.get("authorization"), settings)

@@ -27,11 +27,13 @@ from service.errors import (
     PayloadTooLarge,
     ServiceError,
     Unauthorized,
+    shorten,
 )
 
 logger = logging.getLogger(__name__)
 
 MAX_ERRORS_SHOWN = 3
+MAX_MESSAGE_CHARS = 1000
 
 
 # The one mapping from error type to HTTP status.
@@ -52,6 +54,7 @@ _HTTP_ERROR_TYPES = {
     400: "bad_request",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     413: "payload_too_large",
     415: "unsupported_media_type",
 }
@@ -75,16 +78,17 @@ def error_response(
 
 
 def describe_validation_errors(errors: Any) -> str:
-    """A short message from pydantic errors: where and what, never the input itself."""
+    """A short message from pydantic errors: where and what, never the input itself; names in
+    the location (an unknown field's) are shortened (`shorten`)."""
     parts = []
     for error in list(errors)[:MAX_ERRORS_SHOWN]:
-        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        location = ".".join(shorten(part) for part in error.get("loc", ()) if part != "body")
         message = str(error.get("msg", "invalid value"))
         parts.append(f"{location}: {message}" if location else message)
     extra = len(list(errors)) - MAX_ERRORS_SHOWN
     if extra > 0:
         parts.append(f"and {extra} more")
-    return "; ".join(parts) or "invalid request"
+    return shorten("; ".join(parts), MAX_MESSAGE_CHARS) or "invalid request"
 
 
 async def _service_error(request: Request, exc: Exception) -> JSONResponse:

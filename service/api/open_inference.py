@@ -11,6 +11,12 @@ the tensors' bytes in input order, an input's size in its `binary_data_size` par
 element is a 4-byte little-endian length then that many bytes. Outputs are binary when the
 request asks (`binary_data` on a requested output, or `binary_data_output`). Problems are
 `InvalidInput` (400 on these routes).
+
+Hostile bodies are refused the same way: JSON nested too deep for the parser, `data` nested
+deeper than a shape may have dimensions, dimensions over `MAX_DIM`, and texts (or an `id`)
+holding control characters or lone surrogates, as `/v1` refuses them
+(`service.api.schemas.clean_text`). Names a client sent are quoted shortened
+(`service.api.errors.shorten`).
 """
 
 from __future__ import annotations
@@ -22,11 +28,20 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from service.api.errors import describe_validation_errors
-from service.errors import InvalidInput
-from service.limits import MAX_BEAM_SIZE, MAX_NEW_TOKENS
+from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, clean_text
+from service.errors import InvalidInput, shorten
 
 PLATFORM = "attnserve"
 MODEL_VERSION = "1"
@@ -36,6 +51,9 @@ BYTES = "BYTES"
 EXTENSIONS = ["binary_tensor_data"]
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _LENGTH = struct.Struct("<I")
+MAX_DIMS = 8  # dimensions of a tensor's shape, and nesting levels of its `data`
+MAX_DIM = 2**31 - 1  # size of one dimension
+MAX_ID_CHARS = 1024
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -87,7 +105,9 @@ class InputTensor(BaseModel):
     """An input tensor: data inline (JSON) or in the binary part (`binary_data_size`)."""
 
     name: StrictStr
-    shape: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(max_length=8)]
+    shape: Annotated[
+        list[Annotated[StrictInt, Field(ge=0, le=MAX_DIM)]], Field(max_length=MAX_DIMS)
+    ]
     datatype: StrictStr
     parameters: dict[str, Any] | None = None
     data: Any = None
@@ -103,7 +123,9 @@ class RequestedOutput(BaseModel):
 class InferenceRequest(BaseModel):
     """Body (or JSON header) of `POST /v2/models/{name}/infer`."""
 
-    id: StrictStr | None = None
+    id: Annotated[
+        StrictStr, Field(max_length=MAX_ID_CHARS), AfterValidator(clean_text)
+    ] | None = None
     parameters: dict[str, Any] | None = None
     inputs: Annotated[list[InputTensor], Field(min_length=1)]
     outputs: list[RequestedOutput] | None = None
@@ -157,11 +179,14 @@ def parse_request(body: bytes, header_length: str | None) -> Inference:
         document = json.loads(header)
     except (ValueError, UnicodeDecodeError):
         raise InvalidInput("the request body is not valid JSON") from None
+    except RecursionError:
+        raise InvalidInput("the request body is JSON nested too deep") from None
     request = _validated(InferenceRequest, document)
     parameters = _validated(InferParameters, request.parameters or {}, "parameters")
     if len(request.inputs) != 1 or request.inputs[0].name != INPUT:
-        names = [tensor.name for tensor in request.inputs]
-        raise InvalidInput(f"inputs: expected one input {INPUT!r}, got {names}")
+        names = [shorten(tensor.name) for tensor in request.inputs[:3]]
+        more = f" and {len(request.inputs) - 3} more" if len(request.inputs) > 3 else ""
+        raise InvalidInput(f"inputs: expected one input {INPUT!r}, got {names}{more}")
     tensor = request.inputs[0]
     texts = _texts(tensor, binary)
     outputs = {name: parameters.binary_data_output for name in OUTPUTS}
@@ -169,7 +194,7 @@ def parse_request(body: bytes, header_length: str | None) -> Inference:
         outputs = {}
         for requested in request.outputs:
             if requested.name not in OUTPUTS:
-                raise InvalidInput(f"outputs: unknown output {requested.name!r}; "
+                raise InvalidInput(f"outputs: unknown output {shorten(repr(requested.name))}; "
                                    f"this model has {list(OUTPUTS)}")
             binary_flag = (requested.parameters or {}).get("binary_data", False)
             if not isinstance(binary_flag, bool):
@@ -203,12 +228,14 @@ def _validated(model: type[M], document: Any, where: str = "") -> M:
 def _texts(tensor: InputTensor, binary: bytes) -> list[str]:
     """The texts of the `text` tensor, from its JSON data or the binary part."""
     if tensor.datatype != BYTES:
-        raise InvalidInput(f"inputs.{INPUT}: datatype must be {BYTES}, got {tensor.datatype!r}")
+        raise InvalidInput(f"inputs.{INPUT}: datatype must be {BYTES}, "
+                           f"got {shorten(repr(tensor.datatype))}")
     count = math.prod(tensor.shape)
     size = (tensor.parameters or {}).get("binary_data_size")
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size != len(binary):
-            raise InvalidInput(f"inputs.{INPUT}: binary_data_size {size!r} does not match the "
+            raise InvalidInput(f"inputs.{INPUT}: binary_data_size {shorten(repr(size))} "
+                               "does not match the "
                                f"{len(binary)} bytes after the JSON header")
         if tensor.data is not None:
             raise InvalidInput(f"inputs.{INPUT}: give data or binary_data_size, not both")
@@ -230,18 +257,32 @@ def _texts(tensor: InputTensor, binary: bytes) -> list[str]:
     for i, text in enumerate(texts):
         if not text.strip():
             raise InvalidInput(f"inputs.{INPUT}[{i}]: the text is empty")
+        try:
+            clean_text(text)
+        except ValueError as error:
+            raise InvalidInput(f"inputs.{INPUT}[{i}]: {error}") from None
     return texts
 
 
 def _flatten(data: Any) -> Iterator[str]:
-    """Elements of (nested) JSON lists, row-major; each must be a string."""
-    if isinstance(data, str):
-        yield data
-    elif isinstance(data, list):
-        for item in data:
-            yield from _flatten(item)
-    else:
-        raise InvalidInput(f"inputs.{INPUT}: {BYTES} elements must be strings")
+    """Elements of (nested) JSON lists, row-major; each must be a string, nested at most
+    `MAX_DIMS` lists deep. Iterative: no depth reaches the interpreter's recursion limit."""
+    stack: list[Iterator[Any]] = [iter([data])]
+    while stack:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+        elif isinstance(item, str):
+            yield item
+        elif isinstance(item, list):
+            if len(stack) > MAX_DIMS:
+                raise InvalidInput(f"inputs.{INPUT}: data nested deeper than {MAX_DIMS} lists")
+            stack.append(iter(item))
+        else:
+            raise InvalidInput(f"inputs.{INPUT}: {BYTES} elements must be strings")
+
+
+_END = object()
 
 
 def deserialize_bytes(buffer: bytes) -> list[bytes]:

@@ -26,7 +26,7 @@ from service.limits import (
 _REFUSED_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
-def _clean_text(text: str) -> str:
+def clean_text(text: str) -> str:
     """Refuse NUL, other control characters and lone surrogates, which no tokenizer should
     see; the message names the code point, never the text."""
     found = _REFUSED_CHARS.search(text)
@@ -38,7 +38,7 @@ def _clean_text(text: str) -> str:
 
 
 Text = Annotated[
-    StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS), AfterValidator(_clean_text)
+    StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS), AfterValidator(clean_text)
 ]
 FinishReason = Literal["eos", "length"]
 Task = Literal["translate", "summarize"]
@@ -211,7 +211,8 @@ class BatchCounters(BaseModel):
     batches: int = Field(description="batches run (continuous: times rows joined the running one)")
     rows: int
     max_batch_rows: int
-    cancelled: int = Field(description="streamed rows cancelled because their client left")
+    cancelled: int = Field(description="rows cancelled because their request stopped waiting "
+                           "(client gone, deadline passed)")
     running: int = Field(description="rows of the batches generating now (cancelled ones excluded)")
 
 

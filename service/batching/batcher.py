@@ -30,11 +30,14 @@ worker thread steps the running batch until something new arrives (a row, a `run
 running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
 between two steps of the running batch when they are the oldest queued rows.
 
-A streamed row carries `RowHooks`: the generation function calls `on_token` (in the worker
-thread) for each token as it is decoded, and drops the row from the running batch at the next
-decoder step once `cancel` is set. `cancel(future)` cancels a row wherever it is: a queued row
-leaves the queue, a running row is flagged; both are counted in `cancelled_rows_total`. A batch
-without hooks calls the generation function exactly as before (three arguments).
+Every row carries `RowHooks`, and the generation function is called with them (`hooks=`, one
+per row): it drops a row from the batch at the next decoder step once its `cancel` is set
+(greedy rows leave the running or request-level batch; a beam-search row stops its search), and
+calls `on_token` (in the worker thread) for each token of a streamed row as it is decoded.
+`cancel(future)` cancels a row wherever it is: a queued row leaves the queue, a running row is
+flagged; both are counted in `cancelled_rows_total{stage}`. A request whose wait ends early --
+its deadline passed, its client left, another of its rows failed -- cancels its rows that way
+(`submit`), so no abandoned row costs more than the step it was in.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class Generated(Protocol):
 
 
 # (sources ending with EOS, beam_size, max_new_tokens) -> one result per source, in order;
-# called with `hooks=[RowHooks | None, ...]` (one per source) when a row of the batch streams.
+# called with `hooks=[RowHooks, ...]` (one per source) by the batcher.
 GenerateFn = Callable[..., Sequence[Generated]]
 
 
@@ -147,7 +150,7 @@ class _Row:
     source: list[int]
     key: _Key
     future: asyncio.Future[Generated]
-    hooks: RowHooks | None = None
+    hooks: RowHooks = field(default_factory=RowHooks)
     enqueued_at: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # perf_counter seconds
     started_at: float = 0.0  # when it joined a batch
@@ -209,8 +212,7 @@ class Batcher:
     @property
     def running(self) -> int:
         """Rows of the batch now generating that are not cancelled."""
-        return sum(1 for row in [*self._running, *self._decoding]
-                   if not (row.hooks and row.hooks.cancelled))
+        return sum(1 for row in [*self._running, *self._decoding] if not row.hooks.cancelled)
 
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
@@ -230,12 +232,19 @@ class Batcher:
         `InternalError` when the batch of any row failed.
         """
         futures = self.enqueue(sources, beam_size, max_new_tokens, deadline=deadline)
+        if not futures:
+            return []
         try:
-            return list(await asyncio.gather(*futures))
-        except BaseException:
+            # `wait`, not `gather`: cancelling this wait leaves the rows' futures to `cancel`
+            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+            for future in futures:
+                if future.done() and not future.cancelled() and future.exception() is not None:
+                    future.result()  # the first failure, raised
+            return [future.result() for future in futures]
+        except BaseException:  # cancelled (deadline, disconnect) or a row failed
             for future in futures:
                 if not future.done():
-                    future.cancel()  # the loop skips it if not yet batched
+                    self.cancel(future)  # leaves the queue, or the batch at the next step
                 elif not future.cancelled():
                     future.exception()  # retrieved: no "never retrieved" warning
             raise
@@ -250,7 +259,8 @@ class Batcher:
     ) -> list[asyncio.Future[Generated]]:
         """Admit all rows of one request, or none; returns one future per row.
 
-        `hooks`, one per source, make rows streamed (`RowHooks`).
+        `hooks`, one per source, make rows streamed (`RowHooks`); a row without gets its own
+        (its cancel flag).
         """
         if not self._accepting:
             metrics.REJECTED_TOTAL.labels(self.model, "draining").inc()
@@ -262,12 +272,12 @@ class Batcher:
             )
         loop = asyncio.get_running_loop()
         key = _Key(beam_size, max_new_tokens)
-        row_hooks = list(hooks) if hooks is not None else [None] * len(sources)
-        if len(row_hooks) != len(sources):
-            raise ValueError(f"{len(row_hooks)} hooks for {len(sources)} sources")
+        given = list(hooks) if hooks is not None else [None] * len(sources)
+        if len(given) != len(sources):
+            raise ValueError(f"{len(given)} hooks for {len(sources)} sources")
         rows = [
-            _Row(list(source), key, loop.create_future(), hook, deadline=deadline)
-            for source, hook in zip(sources, row_hooks, strict=True)
+            _Row(list(source), key, loop.create_future(), hook or RowHooks(), deadline=deadline)
+            for source, hook in zip(sources, given, strict=True)
         ]
         self._queue.extend(rows)
         self._publish_depth()
@@ -279,8 +289,8 @@ class Batcher:
         """Cancel the row of `future`; returns where it was ("queued" or "decoding").
 
         A queued row leaves the queue; a running row has its hooks' `cancel` set, so the
-        generation loop drops it at the next decoder step (a row without hooks runs to the end
-        of its batch). None when the row already finished or is unknown.
+        generation loop drops it at the next decoder step. None when the row already finished
+        or is unknown.
         """
         if future.done():
             return None
@@ -294,8 +304,7 @@ class Batcher:
         else:
             for row in [*self._running, *self._decoding]:
                 if row.future is future:
-                    if row.hooks is not None:
-                        row.hooks.cancel.set()
+                    row.hooks.cancel.set()
                     stage = "decoding"
                     break
         future.cancel()
@@ -587,9 +596,7 @@ class Batcher:
         sources = [row.source for row in rows]
         loop = asyncio.get_running_loop()
         self._running = rows  # failed by `close` if the loop is cancelled while they run
-        generate: Callable[..., Sequence[Generated]] = self._generate
-        if any(row.hooks is not None for row in rows):
-            generate = functools.partial(self._generate, hooks=[row.hooks for row in rows])
+        generate = functools.partial(self._generate, hooks=[row.hooks for row in rows])
         try:
             results = await loop.run_in_executor(
                 self._executor, generate, sources, key.beam_size, key.max_new_tokens

@@ -119,9 +119,23 @@ REJECTED_TOTAL = Counter(
 )
 CANCELLED_ROWS_TOTAL = Counter(
     "attnserve_cancelled_rows_total",
-    "Rows of streamed requests cancelled (client gone, or deadline passed), by where they were: "
-    "queued or decoding.",
+    "Rows cancelled because their request stopped waiting (client gone, deadline passed, or "
+    "another row of the request failed), by where they were: queued or decoding (left the "
+    "batch at the next decoder step).",
     ["model", "stage"],
+    registry=REGISTRY,
+)
+CONNECTIONS_REFUSED_TOTAL = Counter(
+    "attnserve_connections_refused_total",
+    "Connections and requests cut off for their client's pace or number, by reason: "
+    "header_timeout, body_timeout (408 or closed), headers_too_large (431), "
+    "too_many_connections (503).",
+    ["reason"],
+    registry=REGISTRY,
+)
+OPEN_CONNECTIONS = Gauge(
+    "attnserve_open_connections",
+    "HTTP connections open on this process.",
     registry=REGISTRY,
 )
 MODEL_INFO = Gauge(

@@ -70,9 +70,18 @@ class FakeModel:
     threads: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     gate: threading.Event | None = None  # when set: each batch waits for it (at most 30 s)
+    returned: int = 0  # batches that returned (or raised)
 
     def generate(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                  hooks: Sequence[Any] | None = None) -> list[Result]:
+        try:
+            return self._generate(sources, max_new_tokens, hooks)
+        finally:
+            with self.lock:
+                self.returned += 1
+
+    def _generate(self, sources: list[list[int]], max_new_tokens: int,
+                  hooks: Sequence[Any] | None) -> list[Result]:
         with self.lock:
             self.batches.append([len(s) for s in sources])
             self.seen.extend(CharTokenizer().decode(s[:-1]) for s in sources)

@@ -16,13 +16,14 @@ import uvicorn
 
 
 @contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Run an ASGI app with uvicorn on a free loopback port, in a thread; yield its base URL."""
+def serve(app: Any, **options: Any) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a free loopback port, in a thread; yield its base URL.
+    `options` are more `uvicorn.Config` arguments (`http=`: the protocol class)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -29,6 +29,7 @@ def create_load_app() -> FastAPI:
     model = FakeModel(delay_s=float(os.environ.get("ATTNSERVE_FAKE_DELAY_S", "0.05")))
     model.seen = _NotRecorded()  # a long run must not grow the test's memory
     model.batches = _NotRecorded()
+    model.steps = _NotRecorded()
     return create_app(Settings(models_dir=models), loader=FakeLoader(),
                       generator=lambda runtime: model.generate)
 

@@ -203,7 +203,8 @@ async def test_an_exception_in_one_batch_fails_only_that_batch(error: type[Excep
     tokens = CharTokenizer()
     poison = tokens.encode("poison")
 
-    def generate(sources: list[list[int]], beam_size: int, max_new_tokens: int) -> list[Any]:
+    def generate(sources: list[list[int]], beam_size: int, max_new_tokens: int,
+                 hooks: Any = None) -> list[Any]:
         time.sleep(0.02)
         if any(source[:-1] == poison for source in sources):
             raise error("out of memory in this batch")

@@ -87,3 +87,30 @@ def test_shutdown_delay_keeps_serving_then_stops() -> None:
     assert registry.draining and not server.should_exit
     time.sleep(0.5)
     assert server.should_exit
+
+
+def test_the_drain_budget_covers_the_request_timeout() -> None:
+    from service.server import GuardedProtocol, uvicorn_options
+
+    assert Settings().drain_timeout_s == Settings().request_timeout_s == 60
+    assert Settings(request_timeout_s=90).drain_timeout_s == 90
+    assert Settings(request_timeout_s=10, graceful_timeout_s=25).drain_timeout_s == 25
+    with pytest.raises(ValidationError, match="graceful_timeout_s must be at least"):
+        Settings(request_timeout_s=60, graceful_timeout_s=30)
+    options = uvicorn_options(Settings(header_timeout_s=3, max_connections=7))
+    assert options["timeout_graceful_shutdown"] == 60
+    assert issubclass(options["http"], GuardedProtocol)
+    assert options["http"].limits.header_timeout_s == 3
+    assert options["http"].limits.max_connections == 7
+    assert uvicorn_options(Settings(), workers=True)["http"] == "service.server:GuardedProtocol"
+
+
+def test_the_kubernetes_grace_period_covers_the_pre_stop_wait_and_the_drain() -> None:
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    deployment = yaml.safe_load((root / "docker/k8s/deployment.yaml").read_text())
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + Settings().drain_timeout_s

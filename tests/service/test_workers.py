@@ -1,12 +1,15 @@
 """`attnserve serve --workers N`: worker processes on one socket, a killed one is restarted.
 
 The settings reach the spawned workers through the environment (checked in the default run);
-the kill test runs the real server on the tiny model and is marked `soak` (`make soak`).
+the kill test runs the real server on the tiny model and is marked `soak` (`make soak`); with
+`ATTNSERVE_RELIABILITY_MODELS` set to a model repository (`models`: the default models) it runs
+on those instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +22,8 @@ import pytest
 from service.settings import Settings
 from service.workers import settings_environment
 
-BODY = {"text": "abc de"}
+MODELS = os.environ.get("ATTNSERVE_RELIABILITY_MODELS")  # None: the tiny model
+BODY = {"text": "the quick brown fox"} if MODELS else {"text": "abc de"}
 
 
 def test_the_environment_rebuilds_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,10 +70,11 @@ async def closed_loop_until(url: str, stop: asyncio.Event, concurrency: int) -> 
 
 @pytest.mark.soak
 def test_a_killed_worker_is_restarted_and_only_its_requests_fail(
-    served_tiny_models: Path, tmp_path: Path
+    request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    from tests.service.test_serve import free_port, serve_command, wait_ready
+    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
 
+    models = Path(MODELS) if MODELS else request.getfixturevalue("served_tiny_models")
     concurrency = 6
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/translate"
@@ -78,11 +83,11 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(
                    "ATTNSERVE_THREADS": "1"}
     with log.open("w") as output, subprocess.Popen(
         [*serve_command(), "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
-         "--port", str(port), "--models", str(served_tiny_models), "--workers", "2"],
+         "--port", str(port), "--models", str(models), "--workers", "2"],
         env=environment, stdout=output, stderr=subprocess.STDOUT,
     ) as process:
         try:
-            wait_ready(port)
+            wait_ready(port, 300 if MODELS else STARTUP_TIMEOUT_S)
         except AssertionError:
             process.kill()
             raise AssertionError(log.read_text()[-3000:]) from None
@@ -117,8 +122,15 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(
         except subprocess.TimeoutExpired:
             process.kill()
     failed = [s for s in statuses if s != 200]
-    print(f"\nworkers: {len(statuses)} requests, {len(failed)} failed {sorted(set(failed))}, "
-          f"replaced {sorted(replaced)}")
+    figures = {"models": str(models), "requests": len(statuses), "failed": len(failed),
+               "failed_statuses": sorted(set(failed)), "replaced": bool(replaced),
+               "in_flight_bound": concurrency, "after": after}
+    print(f"\nkilled worker: {json.dumps(figures)}")
+    out = os.environ.get("ATTNSERVE_RELIABILITY_OUT")
+    if out:
+        name = f"killed-worker-{models.resolve().name}" if MODELS else "killed-worker"
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.json").write_text(json.dumps(figures, indent=2) + "\n")
     assert replaced, "the killed worker was not replaced"
     assert len(alive) == 2
     assert statuses.count(200) > 20

@@ -29,12 +29,15 @@ from service.settings import Settings
 router = APIRouter(tags=["generate"])
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 413, 415, 422, 429, 500, 503, 504)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 408, 413, 415, 422, 429, 500, 503, 504)
 }
 GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERROR_RESPONSES,
+    # OpenAPI 3.1: the `schema` of an event stream describes each event (its SSE fields)
     200: {"content": {streaming.MEDIA_TYPE: {
-        "schema": {"type": "string"},
+        "schema": {"type": "object", "required": ["data"], "properties": {
+            "data": {"type": "string", "description": "JSON: a token event or the final one"},
+            "event": {"type": "string"}}},
         "description": "with `stream`: one `data: {json}` event per token, then a final one",
     }}},
 }

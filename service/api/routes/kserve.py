@@ -20,11 +20,11 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from service.api import open_inference, pipeline
-from service.api.auth import require_api_key
+from service.api.auth import require_api_key, require_api_key_for_metadata
 from service.api.deadline import request_deadline
 from service.api.errors import describe_validation_errors, status_of
 from service.api.routes.deps import RegistryDep, SettingsDep
-from service.errors import ModelNotFound, ServiceError
+from service.errors import ModelNotFound, ServiceError, shorten
 from service.registry import ModelEntry, ModelRegistry
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class KServeRoute(APIRoute):
 router = APIRouter(tags=["kserve v2"], route_class=KServeRoute)
 ERROR: dict[str, Any] = {"content": {"application/json": {"example": {"error": "..."}}}}
 RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: ERROR for code in (400, 404, 413, 429, 500, 503, 504)
+    code: ERROR for code in (400, 401, 404, 408, 413, 429, 500, 503, 504)
 }
 
 
@@ -89,12 +89,15 @@ async def server_ready(registry: RegistryDep) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/v2/models/{name}", responses=RESPONSES)
-@router.get("/v2/models/{name}/versions/{version}", responses=RESPONSES)
+@router.get("/v2/models/{name}", responses=RESPONSES,
+            dependencies=[Depends(require_api_key_for_metadata)])
+@router.get("/v2/models/{name}/versions/{version}", responses=RESPONSES,
+            dependencies=[Depends(require_api_key_for_metadata)])
 async def model_metadata(
     name: str, registry: RegistryDep, version: str = open_inference.MODEL_VERSION
 ) -> open_inference.ModelMetadata:
-    """The model's inputs and outputs (known while it loads)."""
+    """The model's inputs and outputs (known while it loads); with `api_key`, the token is
+    needed (unless `public_metadata`)."""
     _known(registry, name, version)
     return open_inference.model_metadata(name)
 
@@ -111,9 +114,28 @@ async def model_ready(
     return Response(status_code=200)
 
 
-@router.post("/v2/models/{name}/infer", responses=RESPONSES, dependencies=[Depends(require_api_key)])
+def _inlined(schema: Any, definitions: dict[str, Any] | None = None) -> Any:
+    """A JSON schema with its local `$ref`s (`#/$defs/...`) replaced by their definitions."""
+    if definitions is None:
+        definitions = schema.get("$defs", {}) if isinstance(schema, dict) else {}
+    if isinstance(schema, dict):
+        if "$ref" in schema:
+            return _inlined(definitions[schema["$ref"].rsplit("/", 1)[-1]], definitions)
+        return {k: _inlined(v, definitions) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inlined(item, definitions) for item in schema]
+    return schema
+
+
+# The body is read by hand (JSON or the binary extension); its JSON form documented here.
+INFER_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inlined(open_inference.InferenceRequest.model_json_schema())}}}}
+
+
+@router.post("/v2/models/{name}/infer", responses=RESPONSES,
+             dependencies=[Depends(require_api_key)], openapi_extra=INFER_BODY)
 @router.post("/v2/models/{name}/versions/{version}/infer", responses=RESPONSES,
-             dependencies=[Depends(require_api_key)])
+             dependencies=[Depends(require_api_key)], openapi_extra=INFER_BODY)
 async def infer(
     name: str, request: Request, registry: RegistryDep, settings: SettingsDep,
     version: str = open_inference.MODEL_VERSION,
@@ -144,9 +166,9 @@ def _known(registry: ModelRegistry, name: str, version: str) -> ModelEntry:
     """The model's entry (ready or not), or 404 for an unknown name or version."""
     entry = next((e for e in registry.entries if e.name == name), None)
     if entry is None:
-        raise ModelNotFound(f"no model {name!r} on this server")
+        raise ModelNotFound(f"no model {shorten(repr(name))} on this server")
     if version != open_inference.MODEL_VERSION:
-        raise ModelNotFound(f"model {name!r} has no version {version!r}; "
+        raise ModelNotFound(f"model {name!r} has no version {shorten(repr(version))}; "
                             f"it has {open_inference.MODEL_VERSION!r}")
     return entry
 

@@ -1,17 +1,22 @@
-"""`GET /v1/models`: every model, its state, execution provider, variant and batch counters."""
+"""`GET /v1/models`: every model, its state, execution provider, variant and batch counters.
+
+With `api_key` set it needs the token (unless `public_metadata`). A load error is shown without
+the server's file-system paths (`service.registry.public_error`); the log has them.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
+from service.api.auth import require_api_key_for_metadata
 from service.api.routes.deps import RegistryDep
-from service.api.schemas import BatchCounters, ModelCard, ModelList
+from service.api.schemas import BatchCounters, ErrorBody, ModelCard, ModelList
 from service.registry import ModelEntry
 
-router = APIRouter(tags=["models"])
+router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key_for_metadata)])
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses={401: {"model": ErrorBody}})
 async def list_models(registry: RegistryDep) -> ModelList:
     """The models found in the models folder, loaded or not."""
     return ModelList(models=[_card(entry) for entry in registry.entries])

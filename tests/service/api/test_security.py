@@ -170,3 +170,92 @@ def test_serve_with_fail_on_model_error_exits_non_zero(tmp_path: Any) -> None:
     )
     assert finished.returncode != 0
     assert "refusing to start (fail_on_model_error): no models found" in finished.stderr
+
+
+METADATA_ROUTES = ["/openapi.json", "/docs", "/redoc", "/v1/models",
+                   "/v2/models/translate-en-it", "/v2/models/translate-en-it/versions/1"]
+
+
+async def test_docs_and_model_listing_need_the_key_when_one_is_set(make_app: AppFactory) -> None:
+    bearer = {"authorization": f"Bearer {KEY}"}
+    async with serving(make_app(api_key=KEY)) as client:
+        refused = [await client.get(path) for path in METADATA_ROUTES]
+        allowed = [await client.get(path, headers=bearer) for path in METADATA_ROUTES]
+        probes = [await client.get(path) for path in (
+            "/health/ready", "/v2/health/ready", "/v2/models/translate-en-it/ready", "/")]
+    for response in refused:
+        assert response.status_code == 401, (response.url, response.status_code)
+        assert KEY not in response.text
+    assert [r.status_code for r in allowed] == [200] * len(METADATA_ROUTES)
+    assert allowed[0].json()["info"]["title"] == "attnserve"
+    assert "swagger-ui" in allowed[1].text and "/openapi.json" in allowed[1].text
+    assert [p.status_code for p in probes] == [200] * 4
+
+
+async def test_public_metadata_leaves_the_docs_open_but_not_inference(
+    make_app: AppFactory,
+) -> None:
+    async with serving(make_app(api_key=KEY, public_metadata=True)) as client:
+        opened = [await client.get(path) for path in METADATA_ROUTES]
+        inference = await client.post("/v1/translate", json=TEXT)
+    assert [r.status_code for r in opened] == [200] * len(METADATA_ROUTES)
+    assert_error(inference, 401, "unauthorized")
+
+
+async def test_without_a_key_the_docs_are_open(make_app: AppFactory) -> None:
+    async with serving(make_app()) as client:
+        assert [(await client.get(path)).status_code for path in METADATA_ROUTES] == \
+            [200] * len(METADATA_ROUTES)
+
+
+class PathLeakingLoader(FakeLoader):
+    """Fails one model the way file errors read: with the absolute path of the file."""
+
+    def __call__(self, path: Any) -> Any:
+        if path.name == "summarize-en":
+            raise FileNotFoundError(f"[Errno 2] No such file or directory: '{path}/encoder.onnx'"
+                                    f" (also tried {path.parent.parent}/cache/encoder.onnx)")
+        return super().__call__(path)
+
+
+async def test_load_errors_are_listed_without_file_system_paths(
+    make_app: AppFactory, models_dir: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.service.conftest import wait_until_settled
+
+    async with serving(make_app(loader=PathLeakingLoader()), wait_ready=False) as client:
+        cards = await wait_until_settled(client)
+        ready = await client.get("/health/ready")
+    error = cards["summarize-en"]["error"]
+    assert cards["summarize-en"]["state"] == "failed"
+    assert error == ("FileNotFoundError: [Errno 2] No such file or directory: "
+                     "'summarize-en/encoder.onnx' (also tried .../encoder.onnx)")
+    assert str(models_dir.parent) not in ready.text
+    # the log keeps the full message for the operator
+    assert any(str(models_dir / "summarize-en") in r.getMessage() for r in caplog.records)
+
+
+async def test_the_page_has_security_headers_and_its_csp_runs_only_its_own_script(
+    make_app: AppFactory,
+) -> None:
+    import base64
+    import hashlib
+    import re
+
+    async with serving(make_app()) as client:
+        page = await client.get("/")
+    headers = page.headers
+    assert headers["x-frame-options"] == "DENY"
+    assert headers["x-content-type-options"] == "nosniff"
+    assert headers["referrer-policy"] == "no-referrer"
+    policy = dict(part.strip().split(" ", 1)
+                  for part in headers["content-security-policy"].split(";"))
+    (script,) = re.findall(r"<script>(.*?)</script>", page.text, flags=re.DOTALL)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert policy["script-src"] == f"'sha256-{digest}'"  # no 'unsafe-inline' for scripts
+    assert policy["default-src"] == "'none'" and policy["connect-src"] == "'self'"
+    assert policy["frame-ancestors"] == "'none'"
+    # The page takes a token and sends it; it keeps it in sessionStorage, never localStorage.
+    assert 'id="api-token"' in page.text and 'type="password"' in page.text
+    assert "Authorization: `Bearer ${token}`" in script
+    assert "sessionStorage" in script and "localStorage" not in script

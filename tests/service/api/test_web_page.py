@@ -252,3 +252,35 @@ def test_server_errors_are_shown(browser: Browser, base_url: str) -> None:
     assert "invalid_input" in alert and "422" in alert and "at most 15 allowed" in alert
     assert browser.evaluate("getComputedStyle(document.getElementById('error')).display") != "none"
     assert browser.evaluate("document.getElementById('heatmap').hidden")
+
+
+def test_a_server_with_an_api_key_is_used_with_the_token_typed_in(
+    browser: Browser, tiny_model_repository: Path, tmp_path: Path
+) -> None:
+    """With an API key the page says it needs the token; the token typed in is kept in the
+    tab's sessionStorage only and sent as a bearer token; the page's CSP lets its script run."""
+    token = "page-test-token"
+    settings = Settings(models_dir=real_models(tiny_model_repository, tmp_path / "models"),
+                        providers=("CPUExecutionProvider",), threads=1, variant="fp32",
+                        api_key=token)
+    with serve(create_app(settings)) as url:
+        wait_until_ready(url)
+        browser.goto(url + "/")
+        browser.wait_for("document.getElementById('server-state-text').textContent"
+                         " === 'API token needed'")
+        browser.type_text("#api-token", token)
+        browser.evaluate("document.getElementById('api-token')"
+                         ".dispatchEvent(new Event('change', {bubbles: true}))")
+        browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+        browser.type_text("#source", SOURCE)
+        browser.click("#translate")
+        browser.wait_for("document.body.dataset.phase === 'done'")
+        stored = browser.evaluate("[sessionStorage.getItem('attnserve-api-token'),"
+                                  " localStorage.length]")
+        sent = [r for r in browser.requests() if r["url"].endswith("/v1/translate")]
+        errors = browser.page_errors()
+        browser.evaluate("sessionStorage.clear()")  # the module's other tests run without a key
+    assert stored == [token, 0]
+    assert sent and sent[-1]["headers"].get("Authorization") == f"Bearer {token}"
+    assert browser.evaluate("document.getElementById('output').textContent").strip() == "ed cba"
+    assert not [e for e in errors if "Content Security Policy" in e], errors

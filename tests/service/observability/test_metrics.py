@@ -25,6 +25,8 @@ DESIGN = {
     "attnserve_cancelled_rows_total": ("counter", {"model", "stage"}),
     "attnserve_model_info": ("gauge", {"model", "task", "provider", "variant"}),
     "attnserve_model_load_seconds": ("gauge", {"model"}),
+    "attnserve_connections_refused_total": ("counter", {"reason"}),
+    "attnserve_open_connections": ("gauge", set()),
 }
 
 
@@ -57,6 +59,8 @@ def _observe_everything(model: str) -> None:
     metrics.CANCELLED_ROWS_TOTAL.labels(model, "decoding").inc()
     metrics.MODEL_INFO.labels(model, "translate", "CPUExecutionProvider", "int8").set(1)
     metrics.MODEL_LOAD_SECONDS.labels(model).set(1.5)
+    metrics.CONNECTIONS_REFUSED_TOTAL.labels("header_timeout").inc()
+    metrics.OPEN_CONNECTIONS.set(2)
 
 
 def _samples_of(model: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -85,7 +89,13 @@ def test_label_names_match_the_design() -> None:
         labels.setdefault(_family_of(name), set()).update(
             key for key, _ in sample_labels if key != "le"
         )
-    assert labels == {name: names for name, (_, names) in DESIGN.items()}
+    assert labels == {name: names for name, (_, names) in DESIGN.items() if "model" in names}
+    server_level = {_design_name(f.name, f.type): {k for s in f.samples for k in s.labels}
+                    for f in metrics.REGISTRY.collect()
+                    if _design_name(f.name, f.type) in DESIGN
+                    and "model" not in DESIGN[_design_name(f.name, f.type)][1]}
+    assert server_level == {name: names for name, (_, names) in DESIGN.items()
+                            if "model" not in names}
 
 
 def test_metric_names_cover_every_sample_name() -> None:
