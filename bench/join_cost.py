@@ -75,11 +75,11 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
         if index < len(sources) and len(batch) < rows:
             newcomers = sources[index:index + group]
             started = time.perf_counter()
-            batch.add(newcomers, list(range(index, index + len(newcomers))), [runtime.max_target_len] * len(newcomers))
+            batch.concatenate(newcomers, list(range(index, index + len(newcomers))), [runtime.max_target_len] * len(newcomers))
             joins += time.perf_counter() - started
             index += len(newcomers)
         started = time.perf_counter()
-        batch.step()
+        batch.generate_token()
         steps += time.perf_counter() - started
         count += 1
     return {"join_s": joins, "copy_s": copy_s, "copies": copies, "step_s": steps, "steps": count}

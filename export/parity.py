@@ -193,10 +193,10 @@ def _check_step_graph(runtime: ModelRuntime, state: EncoderState, target_np: np.
         rows = target_mask_np[:, t]  # rows whose target is still running at step t
         compare("step_graph_logits", f"step graph logits (step {t})", logits[rows], full_logits[rows, t], LOGITS_ATOL)
     running: SlotBatch[int] = SlotBatch(runtime)
-    running.add(sources, list(range(len(sources))), [max_new_tokens] * len(sources))
+    running.concatenate(sources, list(range(len(sources))), [max_new_tokens] * len(sources))
     results: dict[int, Any] = {}
     while len(running):
-        results.update(running.step())
+        results.update(running.generate_token())
     for row, e in enumerate(expected_gen):
         a = results[row]
         if (e.tokens, e.finish_reason) != (a.tokens, a.finish_reason):

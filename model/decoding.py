@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.stopping import EOS, StoppingCriteria
 from model.transformer import DecoderCache, Transformer
 
 
@@ -48,6 +49,7 @@ def greedy_decode(
     reference the cache is checked against).
     """
     config = model.config
+    stop = StoppingCriteria(config.eos_id, max_new_tokens)
     encoded = model.encode(source, need_weights=False)
     start = model.start_decoding(encoded)
     batch = source.size(0)
@@ -69,13 +71,12 @@ def greedy_decode(
         for i, row in enumerate(active.tolist()):
             token = int(best[i])
             scores[row] += float(best_scores[i])
-            if token == config.eos_id:
-                results[row] = Generation(tokens[row], "eos", scores[row])
-            elif step == max_new_tokens - 1:
+            reason = stop(token, len(tokens[row]))
+            if reason != EOS:
                 tokens[row].append(token)
-                results[row] = Generation(tokens[row], "length", scores[row])
+            if reason is not None:
+                results[row] = Generation(tokens[row], reason, scores[row])
             else:
-                tokens[row].append(token)
                 keep.append(i)
         if not keep:
             break

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from service.batching.batcher import Batcher, BatchLimits, GenerateFn, RunningBatchLike
+from service.batching.batcher import Batcher, BatchLimits, GenerateFn
+from service.batching.in_flight import InFlightBatch
 from service.batching.pool import BatcherPool
 from service.errors import ModelNotFound, NotReady
 from service.observability import metrics
@@ -60,7 +61,7 @@ class Runtime(Protocol):
 Loader = Callable[[Path], Runtime]
 GeneratorFactory = Callable[[Runtime], GenerateFn]
 # runtime -> a factory of its running batch (continuous batching)
-RunningBatchFactory = Callable[[Runtime], Callable[[], RunningBatchLike]]
+RunningBatchFactory = Callable[[Runtime], Callable[[], InFlightBatch[Any]]]
 
 
 def onnx_loader(settings: Settings) -> Loader:
@@ -98,7 +99,7 @@ def onnx_running_batch(settings: Settings) -> RunningBatchFactory:
     from service.batching.running_batch import RunningBatch
     from service.batching.slot_batch import SlotBatch
 
-    def bind(runtime: Runtime) -> Callable[[], RunningBatchLike]:
+    def bind(runtime: Runtime) -> Callable[[], InFlightBatch[Any]]:
         if getattr(runtime, "step", None) is not None:
             return functools.partial(SlotBatch, runtime, scores=settings.greedy_scores)  # type: ignore[arg-type]
         return functools.partial(RunningBatch, runtime, scores=settings.greedy_scores)  # type: ignore[arg-type]

@@ -33,8 +33,9 @@ from starlette.types import Receive
 from service.api import pipeline
 from service.api.deadline import Deadline
 from service.api.pipeline import Prepared
-from service.batching.batcher import Generated, RowHooks
+from service.batching.batcher import Generated
 from service.errors import DeadlineExceeded, InternalError, ServiceError
+from service.generation.hooks import RowHooks
 from service.observability import metrics
 from service.settings import Settings
 

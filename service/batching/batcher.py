@@ -53,7 +53,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from service.batching.in_flight import InFlightBatch
 from service.errors import DeadlineExceeded, InternalError, NotReady, Overloaded
+from service.generation.hooks import RowHooks
 from service.observability import metrics
 
 logger = logging.getLogger(__name__)
@@ -74,34 +76,6 @@ class Generated(Protocol):
 # (sources ending with EOS, beam_size, max_new_tokens) -> one result per source, in order;
 # called with `hooks=[RowHooks, ...]` (one per source) by the batcher.
 GenerateFn = Callable[..., Sequence[Generated]]
-
-
-class RunningBatchLike(Protocol):
-    """What continuous batching uses of `service.batching.running_batch.RunningBatch` (owners are rows)."""
-
-    # True when every row's cache is padded to the oldest row's (the join age limit applies)
-    pads_to_oldest: bool
-
-    def __len__(self) -> int: ...
-    @property
-    def oldest_age(self) -> int: ...
-    def add(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
-            hooks: Sequence[RowHooks | None] | None = None) -> None: ...
-    def step(self) -> Sequence[tuple[Any, Generated]]: ...
-    def cancel_all(self) -> list[Any]: ...
-
-
-@dataclass
-class RowHooks:
-    """What a streamed row asks of the generation loop; read in the worker thread."""
-
-    on_token: Callable[[int], None] | None = None
-    cancel: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def cancelled(self) -> bool:
-        """Whether the row should leave the batch at the next decoder step."""
-        return self.cancel.is_set()
 
 
 def join_age_limit(max_join_age: int, join_rows: int, rows: int) -> int:
@@ -160,7 +134,7 @@ class Batcher:
     """Groups concurrent rows of one model into batches and runs them in a worker thread."""
 
     def __init__(self, model: str, generate_fn: GenerateFn, limits: BatchLimits,
-                 running_batch: Callable[[], RunningBatchLike] | None = None,
+                 running_batch: Callable[[], InFlightBatch[Any]] | None = None,
                  thread_name: str | None = None) -> None:
         self.model = model
         self.limits = limits
@@ -515,7 +489,7 @@ class Batcher:
             logger.exception("model %s: the running batch of %d rows failed", self.model,
                              len(self._decoding))
             assert self._batch is not None
-            self._batch.cancel_all()  # the worker is done with it: safe here
+            self._batch.filter(())  # the worker is done with it: safe here
             with self._inbox_lock:
                 self._inbox.clear()
             failed, self._decoding = self._decoding, []
@@ -553,16 +527,16 @@ class Batcher:
             with self._inbox_lock:
                 joiners, self._inbox = self._inbox, []
             if joiners:
-                batch.add([row.source for row in joiners], joiners,
-                          [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners])
+                batch.concatenate([row.source for row in joiners], joiners,
+                                  [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners])
                 metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
             if not len(batch) or self._interrupt.is_set():
                 return
-            finished = batch.step()
+            finished = batch.generate_token()
             if finished:
                 loop.call_soon_threadsafe(self._finish, list(finished), time.perf_counter())
 
-    def _finish(self, finished: list[tuple[_Row, Generated]], now: float) -> None:
+    def _finish(self, finished: Sequence[tuple[_Row, Generated]], now: float) -> None:
         """Event loop: resolve the futures of rows that left the running batch."""
         done = set(map(id, (row for row, _ in finished)))
         self._decoding = [row for row in self._decoding if id(row) not in done]

@@ -25,7 +25,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from service.batching.batcher import BatchCounters, Batcher, BatchLimits, Generated, RowHooks
+from service.batching.batcher import BatchCounters, Batcher, BatchLimits, Generated
+from service.generation.hooks import RowHooks
 from service.observability import metrics
 
 T = TypeVar("T")

@@ -3,22 +3,21 @@ between decoder steps.
 
 The service uses it for a model without a step graph (`decoder_step.onnx`); with one it uses
 `service.batching.slot_batch.SlotBatch`, which keeps each row's cache in its own slot and needs none of
-the padding, trimming and copying below. The helpers both share (`encode_newcomers`,
-`advance`) live here.
+the padding, trimming and copying below. Both implement `service.batching.in_flight`'s contract.
 
-A `RunningBatch` holds the rows now decoding. Between two decoder steps, new rows join (`add`:
+A `RunningBatch` holds the rows now decoding. Between two decoder steps, new rows join (`concatenate`:
 one encoder call for the newcomers; their cross keys/values are padded to the batch's source
 length and their self-attention cache is padded with masked positions), and a row leaves as
-soon as it finishes (`step` returns it). Each row keeps its own decoder positions (0, 1, ...
+soon as it finishes (`generate_token` returns it). Each row keeps its own decoder positions (0, 1, ...
 from its own first step) and a (B, P) `target_mask` marks which cached positions are its own,
 so it decodes the tokens it would decode alone: masked keys get exactly zero weight. Cache
 columns that no remaining row uses (and source columns past the longest remaining source) are
 trimmed when rows leave, so the cache is as long as the oldest row's output, not as long as the
 batch has been running. TGI's `Seq2SeqLMBatch.concatenate` / `filter` follow the same idea.
 
-The rules of a row are those of `service.generation.search.greedy`: at most `max_new_tokens` tokens,
-EOS included; finish_reason "eos", "length" or "cancelled" (its hook's flag, seen between
-steps); `on_token` is called for every token kept. One caveat: with dynamically quantized
+A row stops by `model.stopping.StoppingCriteria`, as in `service.generation.search.greedy`:
+EOS, its `max_new_tokens`, or its hook's cancel flag (seen between steps); `on_token` is
+called for every token kept. One caveat: with dynamically quantized
 (int8) graphs a row's activations are quantized with the whole batch's scale, so its tokens
 may depend on its neighbours -- as with any batching of those graphs.
 
@@ -29,31 +28,20 @@ nothing here until joining and compaction run on the device -- not written yet).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from collections.abc import Collection, Sequence
+from typing import Generic
 
 import numpy as np
 
-from service.generation.search import GenerationResult, RowHooks, Runtime, greedy_choice
+from service.batching.in_flight import Member, Owner, advance, encode_newcomers
+from service.generation.hooks import RowHooks
+from service.generation.search import GenerationResult, Runtime, greedy_choice
 from service.runtime import EncoderState, KVCache, to_numpy
-
-Owner = TypeVar("Owner")
-
-
-@dataclass(eq=False)
-class Member(Generic[Owner]):
-    """One row of a running batch (`RunningBatch`, `SlotBatch`) and what it has decoded so far."""
-
-    owner: Owner
-    max_new_tokens: int
-    hooks: RowHooks | None
-    tokens: list[int] = field(default_factory=list)
-    score: float = 0.0  # summed log-probability of `tokens` (0 without the batch's `scores`)
 
 
 class RunningBatch(Generic[Owner]):
-    """The rows decoding together; `add` rows, call `step` until it is empty.
+    """The rows decoding together on the merged decoder (`service.batching.in_flight`'s contract):
+    `concatenate` rows, call `generate_token` until it is empty.
 
     A finished row leaves the results at once but its slot stays in the arrays (decoding
     padding, its outputs ignored). Newcomers take dead slots in place, writing only their own
@@ -111,7 +99,7 @@ class RunningBatch(Generic[Owner]):
         """Cached decoder positions per row (0 when empty)."""
         return int(self._target_mask.shape[1])
 
-    def add(
+    def concatenate(
         self,
         sources: Sequence[list[int]],
         owners: Sequence[Owner],
@@ -126,7 +114,7 @@ class RunningBatch(Generic[Owner]):
             self._rebuild(states)
             self._members += members
 
-    def step(self) -> list[tuple[Owner, GenerationResult]]:
+    def generate_token(self) -> list[tuple[Owner, GenerationResult]]:
         """One decoder step for every row; returns the rows that finished (they have left)."""
         if not len(self):
             return []
@@ -152,11 +140,16 @@ class RunningBatch(Generic[Owner]):
             self._rebuild([])
         return [result for _, result in finished]
 
-    def cancel_all(self) -> list[Owner]:
-        """Drop every row (the batch failed); returns their owners."""
-        owners = self.owners
-        self._members = []
-        return owners
+    def filter(self, owners: Collection[Owner]) -> list[Owner]:
+        """Keep only the rows of `owners`; the others leave at once (their slots go dead, as a
+        finished row's); returns the owners that left."""
+        gone = [i for i, m in enumerate(self._members) if m is not None and m.owner not in owners]
+        left = [m.owner for i in gone if (m := self._members[i]) is not None]
+        for i in gone:
+            self._members[i] = None
+        if not len(self):
+            self._members = []
+        return left
 
     def _fill_dead_slots(self, newcomers: list[EncoderState], members: list[Member[Owner]]) -> bool:
         """Put the newcomers into dead slots in place, without copying the batch, when there
@@ -251,65 +244,3 @@ class RunningBatch(Generic[Owner]):
         self._source_mask, self._target_mask = source_mask, target_mask
         self._positions = np.concatenate([self._positions[keep], np.zeros(count, dtype=np.int64)])
         self._last = np.concatenate([self._last[keep], np.full(count, self.runtime.bos_id, dtype=np.int64)])
-
-
-def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Sequence[Owner],
-                     max_new_tokens: Sequence[int], hooks: Sequence[RowHooks | None] | None,
-                     padding_slack: float) -> tuple[list[EncoderState], list[Member[Owner]]]:
-    """Check the newcomers, sort them by source length and encode them in groups of similar
-    length (`_length_groups`); returns each group's encoder state and the members in that order."""
-    if len(owners) != len(sources) or len(max_new_tokens) != len(sources):
-        raise ValueError("one owner and one max_new_tokens per source")
-    if any(not source for source in sources) or min(max_new_tokens) < 1:
-        raise ValueError("every source needs its EOS and max_new_tokens >= 1")
-    hooks = hooks if hooks is not None else [None] * len(sources)
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    groups = _length_groups([len(sources[i]) for i in order], padding_slack)
-    states = [runtime.encode(runtime.pad([sources[order[i]] for i in group])) for group in groups]
-    return states, [Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
-
-
-def advance(members: Sequence[Member[Owner] | None], best: np.ndarray, chosen: np.ndarray | None, eos: int,
-            scores: bool) -> list[tuple[int, tuple[Owner, GenerationResult]]]:
-    """Give each live row (None: a dead slot) its token of this step, `best[i]` (and its
-    log-probability `chosen[i]`, when scored), by the rules of `service.generation.search.greedy`;
-    returns the rows that finished, with their index."""
-    finished: list[tuple[int, tuple[Owner, GenerationResult]]] = []
-    for i, member in enumerate(members):
-        if member is None:
-            continue
-        token = int(best[i])
-        if chosen is not None:
-            member.score += float(chosen[i])
-        reason = None
-        if token == eos:
-            reason = "eos"
-        else:
-            member.tokens.append(token)
-            if member.hooks is not None and member.hooks.on_token is not None:
-                member.hooks.on_token(token)
-            if len(member.tokens) >= member.max_new_tokens:
-                reason = "length"
-            elif member.hooks is not None and member.hooks.cancelled:
-                reason = "cancelled"
-        if reason is not None:
-            score = member.score if scores else None
-            finished.append((i, (member.owner, GenerationResult(member.tokens, reason, score))))
-    return finished
-
-
-def _length_groups(lengths: list[int], slack: float) -> list[list[int]]:
-    """Split positions of ascending `lengths` into runs whose padded size (rows x longest) stays
-    within `slack` x their real tokens: one encoder call per run, little padding."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    real = 0
-    for index, length in enumerate(lengths):
-        if current and (len(current) + 1) * length > slack * (real + length):
-            groups.append(current)
-            current, real = [], 0
-        current.append(index)
-        real += length
-    if current:
-        groups.append(current)
-    return groups

@@ -1,8 +1,8 @@
 """Continuous batching over the decoder step graph: each row decodes in its own slot.
 
-The same contract as `service.batching.running_batch.RunningBatch` (`add` rows between steps, `step`
-returns the rows that finished, `cancel_all`; the rules of a row are `service.generation.search.greedy`'s),
-but on the runtime's step graph (`runtime.step`, `export.step_graph`) instead of the merged
+The in-flight batch contract of `service.batching.in_flight` (`concatenate` rows between steps,
+`generate_token` returns the rows that stopped, `filter`), as `RunningBatch` implements it, but
+on the runtime's step graph (`runtime.step`, `export.step_graph`) instead of the merged
 decoder. Each row's keys/values stay in its slot of fixed `CacheBuffers` (row b: columns
 0..its length-1); the graph attends over each row's own length and writes the new column in
 place. So a newcomer joins without a copy of the batch and without its cache being padded to
@@ -22,14 +22,15 @@ whole batch's scale, so its tokens may depend on its neighbours.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Generic, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
-from service.batching.running_batch import Member, Owner, advance, encode_newcomers
-from service.generation.search import GenerationResult, RowHooks, Runtime, greedy_choice
+from service.batching.in_flight import Member, Owner, advance, encode_newcomers
+from service.generation.hooks import RowHooks
+from service.generation.search import GenerationResult, Runtime, greedy_choice
 from service.runtime import to_numpy
 from service.runtime.step_buffers import CacheBuffers, run_step
 
@@ -117,7 +118,7 @@ class SlotBatch(Generic[Owner]):
         """Decoder steps the oldest live row has run (0 when empty)."""
         return max((len(m.tokens) for m in list(self._members)), default=0)
 
-    def add(
+    def concatenate(
         self,
         sources: Sequence[list[int]],
         owners: Sequence[Owner],
@@ -147,7 +148,7 @@ class SlotBatch(Generic[Owner]):
         self._last[live:rows] = self.runtime.bos_id
         self._members += members
 
-    def step(self) -> list[tuple[Owner, GenerationResult]]:
+    def generate_token(self) -> list[tuple[Owner, GenerationResult]]:
         """One decoder step for every row; returns the rows that finished (they have left)."""
         live = len(self._members)
         if not live:
@@ -166,11 +167,14 @@ class SlotBatch(Generic[Owner]):
             self._remove(sorted(i for i, _ in finished))
         return [result for _, result in finished]
 
-    def cancel_all(self) -> list[Owner]:
-        """Drop every row (the batch failed); returns their owners."""
-        owners = self.owners
-        self._members = []
-        return owners
+    def filter(self, owners: Collection[Owner]) -> list[Owner]:
+        """Keep only the rows of `owners`; the others leave at once (the last live rows move
+        into their slots); returns the owners that left."""
+        gone = [i for i, m in enumerate(self._members) if m.owner not in owners]
+        left = [self._members[i].owner for i in gone]
+        if gone:
+            self._remove(gone)
+        return left
 
     def _remove(self, finished: list[int]) -> None:
         """Take the finished slots (ascending) out: the last live rows move into the holes."""

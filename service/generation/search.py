@@ -18,12 +18,14 @@ final hypothesis.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from model.stopping import EOS, StoppingCriteria
+from service.generation.hooks import RowHooks
 from service.runtime import DecoderStep, EncoderState, KVCache
 
 
@@ -39,15 +41,6 @@ class Runtime(Protocol):
     def decode(self, input_ids: np.ndarray, state: EncoderState, cache: KVCache | None = None,
                positions: np.ndarray | None = None, target_mask: np.ndarray | None = None,
                need_attention: bool = False) -> DecoderStep: ...
-
-
-class RowHooks(Protocol):
-    """What generation uses of `service.batching.batcher.RowHooks`."""
-
-    @property
-    def on_token(self) -> Callable[[int], None] | None: ...
-    @property
-    def cancelled(self) -> bool: ...
 
 
 Hooks = Sequence[RowHooks | None]
@@ -148,7 +141,8 @@ def greedy(
     active = np.arange(batch)  # original row of each row still decoding
     last = np.full((batch, 1), runtime.bos_id, dtype=np.int64)
     cache: KVCache | None = None
-    for step in range(max_new_tokens):
+    stop = StoppingCriteria(runtime.eos_id, max_new_tokens)
+    for _ in range(max_new_tokens):
         out = runtime.decode(last, state, cache)
         best, chosen = greedy_choice(out.logits[:, -1], scores)  # (B_active,) each
         keep = []
@@ -156,15 +150,12 @@ def greedy(
             token = int(best[i])
             if chosen is not None:
                 summed[row] += float(chosen[i])
-            if token == runtime.eos_id:
-                results[row] = GenerationResult(tokens[row], "eos", score(row))
-                continue
-            tokens[row].append(token)
-            _emit(hooks, row, token)
-            if step == max_new_tokens - 1:
-                results[row] = GenerationResult(tokens[row], "length", score(row))
-            elif _cancelled(hooks, row):
-                results[row] = GenerationResult(tokens[row], "cancelled", score(row))
+            reason = stop(token, len(tokens[row]), _cancelled(hooks, row))
+            if reason != EOS:
+                tokens[row].append(token)
+                _emit(hooks, row, token)
+            if reason is not None:
+                results[row] = GenerationResult(tokens[row], reason, score(row))
             else:
                 keep.append(i)
         if not keep:

@@ -151,13 +151,13 @@ class FakeRunningBatch:
     def oldest_age(self) -> int:
         return max((m.emitted for m in list(self.members)), default=0)
 
-    def add(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
+    def concatenate(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
             hooks: Sequence[Any] | None = None) -> None:
         hooks = hooks if hooks is not None else [None] * len(sources)
         self.members += [_Member(owner, reverse(source, limit), hook)
                          for source, owner, limit, hook in zip(sources, owners, max_new_tokens, hooks, strict=True)]
 
-    def step(self) -> list[tuple[Any, Result]]:
+    def generate_token(self) -> list[tuple[Any, Result]]:
         self.threads.add(threading.current_thread().name)
         self.steps.append([m.owner for m in self.members])
         if self.step_delay_s:
@@ -182,10 +182,10 @@ class FakeRunningBatch:
         self.members = kept
         return finished
 
-    def cancel_all(self) -> list[Any]:
-        owners = [m.owner for m in self.members]
-        self.members = []
-        return owners
+    def filter(self, owners: Any) -> list[Any]:
+        left = [m.owner for m in self.members if m.owner not in owners]
+        self.members = [m for m in self.members if m.owner in owners]
+        return left
 
 
 def reverse(source: list[int], max_new_tokens: int) -> Result:

@@ -7,8 +7,9 @@ import threading
 
 import pytest
 
-from service.batching.batcher import Batcher, BatchLimits, RowHooks
+from service.batching.batcher import Batcher, BatchLimits
 from service.errors import InternalError, NotReady, Overloaded
+from service.generation.hooks import RowHooks
 from service.observability import metrics
 from tests.service.fakes import EOS, UNK, FakeModel, reverse
 

@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from service.batching.batcher import Batcher, BatchLimits, RowHooks, join_age_limit
+from service.batching.batcher import Batcher, BatchLimits, join_age_limit
 from service.batching.running_batch import RunningBatch
 from service.batching.slot_batch import SlotBatch
 from service.errors import InternalError
+from service.generation.hooks import RowHooks
 from service.generation.search import generate
 from service.runtime import ModelRuntime
 from tests.service.fakes import EOS, UNK, FakeModel, FakeRunningBatch, reverse
@@ -248,9 +249,9 @@ def test_the_join_age_limit_shrinks_as_the_batch_grows() -> None:
 def test_oldest_age_counts_the_steps_of_the_oldest_live_row(tiny_runtime: ModelRuntime) -> None:
     batch: RunningBatch[str] = RunningBatch(tiny_runtime)
     assert batch.oldest_age == 0
-    batch.add([[5, 6, 7, EOS]], ["old"], [50])
-    batch.step()
-    batch.step()
-    batch.add([[8, EOS]], ["new"], [50])
-    batch.step()
+    batch.concatenate([[5, 6, 7, EOS]], ["old"], [50])
+    batch.generate_token()
+    batch.generate_token()
+    batch.concatenate([[8, EOS]], ["new"], [50])
+    batch.generate_token()
     assert batch.oldest_age == 3

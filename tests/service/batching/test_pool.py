@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from service.batching.batcher import Batcher, BatchLimits, RowHooks
+from service.batching.batcher import Batcher, BatchLimits
 from service.batching.pool import BatcherPool
 from service.errors import Overloaded
+from service.generation.hooks import RowHooks
 from service.observability import metrics
 from service.settings import CPU_PROVIDER, Settings, cpu_cores
 from tests.service.fakes import EOS, FakeModel, reverse

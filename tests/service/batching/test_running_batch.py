@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.batching.batcher import RowHooks
 from service.batching.running_batch import RunningBatch
 from service.batching.slot_batch import SlotBatch
+from service.generation.hooks import RowHooks
 from service.generation.search import GenerationResult, generate
 from service.runtime import ModelRuntime
 
@@ -40,8 +40,8 @@ def _drain(batch: RunningBatch, results: dict, joins: dict[int, list[tuple[int, 
         newcomers = joins.pop(steps, [])
         if newcomers:
             owners, rows, limits = zip(*newcomers, strict=True)
-            batch.add(list(rows), list(owners), list(limits))
-        for owner, result in batch.step():
+            batch.concatenate(list(rows), list(owners), list(limits))
+        for owner, result in batch.generate_token():
             assert owner not in results
             results[owner] = result
         steps += 1
@@ -87,12 +87,12 @@ def test_a_row_joining_a_long_running_batch_is_not_disturbed(tiny_runtime: Model
 
 def test_finished_rows_leave_and_unused_columns_are_trimmed(tiny_runtime: ModelRuntime, sources) -> None:
     batch: RunningBatch[str] = RunningBatch(tiny_runtime)
-    batch.add([sources[-1]], ["long"], [3])
-    batch.step()
-    batch.step()
-    batch.add([sources[0]], ["late"], [30])
+    batch.concatenate([sources[-1]], ["long"], [3])
+    batch.generate_token()
+    batch.generate_token()
+    batch.concatenate([sources[0]], ["late"], [30])
     assert (len(batch), batch.cache_len, batch.source_len) == (2, 2, len(sources[-1]))
-    assert [owner for owner, _ in batch.step()] == ["long"]  # its third token: the limit
+    assert [owner for owner, _ in batch.generate_token()] == ["long"]  # its third token: the limit
     # only the late row is left: one cached position (its own), its own source length
     assert (batch.owners, batch.cache_len, batch.source_len) == (["late"], 1, len(sources[0]))
 
@@ -101,10 +101,10 @@ def test_newcomers_take_dead_slots_in_place_and_decode_what_they_decode_alone(
         tiny_runtime: ModelRuntime, sources) -> None:
     batch: RunningBatch[str] = RunningBatch(tiny_runtime, compact_fraction=0.9)
     longest = max(sources[:6], key=len)
-    batch.add([longest, *sources[:3]], ["long", "a", "b", "c"], [12, 1, 1, 12])
-    assert sorted(owner for owner, _ in batch.step()) == ["a", "b"]  # token limit 1: two dead slots
+    batch.concatenate([longest, *sources[:3]], ["long", "a", "b", "c"], [12, 1, 1, 12])
+    assert sorted(owner for owner, _ in batch.generate_token()) == ["a", "b"]  # token limit 1: two dead slots
     cross_keys = batch._cross_keys[0]
-    batch.add([sources[4], sources[5]], ["d", "e"], [12, 12])
+    batch.concatenate([sources[4], sources[5]], ["d", "e"], [12, 12])
     assert batch.slots == 4 and batch._cross_keys[0] is cross_keys  # written in place, not copied
     results: dict[str, GenerationResult] = {}
     _drain(batch, results, {})
@@ -117,18 +117,18 @@ def test_newcomers_take_dead_slots_in_place_and_decode_what_they_decode_alone(
 def test_a_longer_source_or_columns_to_trim_rebuild_the_batch(tiny_runtime: ModelRuntime, sources) -> None:
     batch: RunningBatch[str] = RunningBatch(tiny_runtime, compact_fraction=0.9, trim_slack=0)
     short = min(sources, key=len)
-    batch.add([short, short], ["a", "b"], [1, 30])
-    batch.step()  # "a" leaves a dead slot
+    batch.concatenate([short, short], ["a", "b"], [1, 30])
+    batch.generate_token()  # "a" leaves a dead slot
     cross_keys = batch._cross_keys[0]
-    batch.add([max(sources, key=len)], ["long"], [5])  # longer than the batch's sources
+    batch.concatenate([max(sources, key=len)], ["long"], [5])  # longer than the batch's sources
     assert batch._cross_keys[0] is not cross_keys and batch.slots == 2  # compacted, then appended
     assert batch.source_len == len(max(sources, key=len))
 
 
 def test_token_limit_one_and_eos_first(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
     batch = make_batch(tiny_runtime)
-    batch.add(sources[:3], [0, 1, 2], [1, 1, 1])
-    finished = dict(batch.step())
+    batch.concatenate(sources[:3], [0, 1, 2], [1, 1, 1])
+    finished = dict(batch.generate_token())
     assert len(batch) == 0 and sorted(finished) == [0, 1, 2]
     for owner in range(3):
         assert len(finished[owner].tokens) <= 1
@@ -140,30 +140,46 @@ def test_hooks_stream_tokens_and_cancel_a_row(tiny_runtime: ModelRuntime, source
     streamed = RowHooks(on_token=seen.append)
     cancelled = RowHooks()
     batch = make_batch(tiny_runtime)
-    batch.add([sources[-1], sources[-2]], ["streamed", "cancelled"], [6, 30], [streamed, cancelled])
+    batch.concatenate([sources[-1], sources[-2]], ["streamed", "cancelled"], [6, 30], [streamed, cancelled])
     cancelled.cancel.set()
-    results = dict(batch.step())
+    results = dict(batch.generate_token())
     assert results["cancelled"].finish_reason == "cancelled" and len(results["cancelled"].tokens) == 1
     while len(batch):
-        results.update(batch.step())
+        results.update(batch.generate_token())
     assert seen == results["streamed"].tokens == _alone(tiny_runtime, sources[-1], 6).tokens
 
 
-def test_cancel_all_empties_the_batch(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
+def test_filter_of_no_owners_empties_the_batch(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
     batch = make_batch(tiny_runtime)
-    batch.add(sources[:4], [0, 1, 2, 3], [9] * 4)
-    batch.step()
-    assert sorted(batch.cancel_all()) == [0, 1, 2, 3] and len(batch) == 0 and batch.step() == []
+    batch.concatenate(sources[:4], [0, 1, 2, 3], [9] * 4)
+    batch.generate_token()
+    assert sorted(batch.filter(())) == [0, 1, 2, 3] and len(batch) == 0 and batch.generate_token() == []
+
+
+def test_filter_keeps_the_rows_asked_for_and_they_decode_as_alone(tiny_runtime: ModelRuntime, sources,
+                                                                  make_batch) -> None:
+    """Rows taken out by `filter` leave at once; the kept ones go on to their own tokens."""
+    batch = make_batch(tiny_runtime)
+    batch.concatenate(sources[:5], [0, 1, 2, 3, 4], [12] * 5)
+    batch.generate_token()
+    assert sorted(batch.filter({1, 3})) == [0, 2, 4]
+    assert sorted(batch.owners) == [1, 3]
+    results = {}
+    while len(batch):
+        results.update(batch.generate_token())
+    assert set(results) == {1, 3}
+    for owner in (1, 3):
+        assert results[owner].tokens == _alone(tiny_runtime, sources[owner], 12).tokens
 
 
 def test_bad_rows_are_refused(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
     batch = make_batch(tiny_runtime)
     with pytest.raises(ValueError):
-        batch.add([[]], [0], [4])
+        batch.concatenate([[]], [0], [4])
     with pytest.raises(ValueError):
-        batch.add([sources[0]], [0], [0])
+        batch.concatenate([sources[0]], [0], [0])
     with pytest.raises(ValueError):
-        batch.add([sources[0]], [0, 1], [4])
+        batch.concatenate([sources[0]], [0, 1], [4])
     assert len(batch) == 0
 
 
@@ -178,7 +194,7 @@ def test_io_binding_runtime_gives_the_same_tokens(tiny_model_repository, sources
 
 
 def test_newcomers_are_encoded_in_groups_of_similar_length() -> None:
-    from service.batching.running_batch import _length_groups
+    from service.batching.in_flight import _length_groups
 
     assert _length_groups([3, 3, 4, 4], 1.25) == [[0, 1, 2, 3]]  # 16 padded for 14 real tokens
     assert _length_groups([2, 2, 2, 10, 11], 1.25) == [[0, 1, 2], [3, 4]]
@@ -198,9 +214,9 @@ def test_the_service_scores_greedy_results_only_when_set(tiny_runtime: ModelRunt
     settings = Settings(greedy_scores=scored)
     generated = onnx_generator(settings)(tiny_runtime)([sources[0]], 1, 8)[0]
     batch = onnx_running_batch(settings)(tiny_runtime)()
-    batch.add([sources[0]], ["row"], [8])
+    batch.concatenate([sources[0]], ["row"], [8])
     stepped = []
     while len(batch):
-        stepped += batch.step()
+        stepped += batch.generate_token()
     assert stepped[0][1].tokens == generated.tokens
     assert (generated.score is not None, stepped[0][1].score is not None) == (scored, scored)

@@ -29,20 +29,20 @@ def _alone(runtime: ModelRuntime, source: list[int], limit: int) -> GenerationRe
 
 def _finish(batch: SlotBatch, results: dict) -> None:
     while len(batch):
-        results.update(batch.step())
+        results.update(batch.generate_token())
 
 
 def test_slots_rows_and_source_width_grow_by_doubling_and_keep_every_row(tiny_runtime: ModelRuntime,
                                                                           sources) -> None:
     batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=2)
     short = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    batch.add([sources[short[0]]], [short[0]], [14])
+    batch.concatenate([sources[short[0]]], [short[0]], [14])
     width = batch.source_len
     for _ in range(3):  # 3 steps: the cache outgrows 2 columns
-        batch.step()
+        batch.generate_token()
     assert batch.capacity == 32  # the next multiple of 32 columns, not a doubling
     later = short[-5:]  # five longer sources: more rows than slots, a wider source
-    batch.add([sources[i] for i in later], later, [14] * 5)
+    batch.concatenate([sources[i] for i in later], later, [14] * 5)
     assert batch.slots == 8 and batch.source_len > width
     results: dict[int, GenerationResult] = {}
     _finish(batch, results)
@@ -53,9 +53,9 @@ def test_slots_rows_and_source_width_grow_by_doubling_and_keep_every_row(tiny_ru
 
 def test_finished_rows_leave_holes_that_the_last_rows_fill(tiny_runtime: ModelRuntime, sources) -> None:
     batch: SlotBatch[str] = SlotBatch(tiny_runtime)
-    batch.add(sources[:4], ["a", "b", "c", "d"], [1, 12, 1, 12])
+    batch.concatenate(sources[:4], ["a", "b", "c", "d"], [1, 12, 1, 12])
     order = batch.owners  # slot order (sorted by source length)
-    finished = [owner for owner, _ in batch.step()]
+    finished = [owner for owner, _ in batch.generate_token()]
     assert sorted(finished) == ["a", "c"]
     # survivors in slots 0 and 1: one already there stays, the other moves into the hole
     movers = iter(owner for owner in order[2:] if owner not in finished)
@@ -70,10 +70,10 @@ def test_finished_rows_leave_holes_that_the_last_rows_fill(tiny_runtime: ModelRu
 def test_a_join_writes_into_the_buffers_without_copying_them(tiny_runtime: ModelRuntime, sources) -> None:
     batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=8)
     longest = max(sources, key=len)
-    batch.add([longest], [0], [12])
-    batch.step()
+    batch.concatenate([longest], [0], [12])
+    batch.generate_token()
     buffers, cross = batch._buffers.arrays[0], batch._cross[0]
-    batch.add(sources[:3], [1, 2, 3], [12, 12, 12])  # room in the slots, sources no wider
+    batch.concatenate(sources[:3], [1, 2, 3], [12, 12, 12])  # room in the slots, sources no wider
     assert batch._buffers.arrays[0] is buffers and batch._cross[0] is cross
     results: dict[int, GenerationResult] = {}
     _finish(batch, results)
@@ -83,9 +83,9 @@ def test_a_join_writes_into_the_buffers_without_copying_them(tiny_runtime: Model
 
 def test_the_buffers_shrink_when_few_rows_are_left(tiny_runtime: ModelRuntime, sources) -> None:
     batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=4)
-    batch.add(sources[:12], list(range(12)), [1] * 11 + [14])
+    batch.concatenate(sources[:12], list(range(12)), [1] * 11 + [14])
     assert batch.slots == 16
-    batch.step()  # eleven rows leave at their token limit
+    batch.generate_token()  # eleven rows leave at their token limit
     assert len(batch) == 1 and batch.slots == 2
     results: dict[int, GenerationResult] = {}
     _finish(batch, results)
@@ -122,8 +122,8 @@ def test_int8_rows_decode_as_in_the_merged_decoder_batch(tiny_model_repository, 
     while pending or len(batch):
         take = [pending.pop() for _ in range(min(len(pending), int(rng.integers(0, 3))))]
         if take:
-            batch.add([sources[i] for i in take], take, [12] * len(take))
-        results.update(batch.step())
+            batch.concatenate([sources[i] for i in take], take, [12] * len(take))
+        results.update(batch.generate_token())
     agree = sum(results[i].tokens == _alone(runtime, sources[i], 12).tokens for i in range(len(sources)))
     # int8 activations are quantized per batch: a neighbour may move a close call, rarely
     assert agree >= len(sources) - 1

@@ -1,0 +1,117 @@
+"""The in-flight batch contract: the rows decoding together, which newcomers join between two
+decoder steps and which each row leaves the moment it stops.
+
+In the spirit of TGI's `Batch`: `concatenate` adds newcomers (encoded here, in groups of
+similar source length), `filter` keeps only the rows of the given owners, and `generate_token`
+runs one decoder step for every row and returns the rows that stopped, by the one rule of
+`model.stopping.StoppingCriteria` (EOS, the row's token limit, its request cancelled). Two
+batches implement it: `service.batching.slot_batch.SlotBatch` on the step graph (each row's
+cache in its own slot) and `service.batching.running_batch.RunningBatch` on the merged decoder
+(every row's cache padded to the oldest row's, `pads_to_oldest`). The batch is changed in
+place; its owner (`service.batching.batcher.Batcher`) keeps it while it lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+import numpy as np
+
+from model.stopping import EOS, StoppingCriteria
+from service.generation.hooks import RowHooks
+from service.generation.search import GenerationResult, Runtime
+from service.runtime import EncoderState
+
+Owner = TypeVar("Owner")
+
+
+class InFlightBatch(Protocol[Owner]):
+    """What the batcher uses of an in-flight batch (owners are its rows)."""
+
+    # True when every row's cache is padded to the oldest row's (the join age limit applies)
+    pads_to_oldest: bool
+
+    def __len__(self) -> int: ...
+    @property
+    def owners(self) -> list[Owner]: ...
+    @property
+    def oldest_age(self) -> int: ...
+    def concatenate(self, sources: Sequence[list[int]], owners: Sequence[Owner], max_new_tokens: Sequence[int],
+                    hooks: Sequence[RowHooks | None] | None = None) -> None: ...
+    def filter(self, owners: Collection[Owner]) -> list[Owner]: ...
+    def generate_token(self) -> list[tuple[Owner, GenerationResult]]: ...
+
+
+@dataclass(eq=False)
+class Member(Generic[Owner]):
+    """One row of a running batch (`RunningBatch`, `SlotBatch`) and what it has decoded so far."""
+
+    owner: Owner
+    max_new_tokens: int
+    hooks: RowHooks | None
+    tokens: list[int] = field(default_factory=list)
+    score: float = 0.0  # summed log-probability of `tokens` (0 without the batch's `scores`)
+
+
+def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Sequence[Owner],
+                     max_new_tokens: Sequence[int], hooks: Sequence[RowHooks | None] | None,
+                     padding_slack: float) -> tuple[list[EncoderState], list[Member[Owner]]]:
+    """Check the newcomers, sort them by source length and encode them in groups of similar
+    length (`_length_groups`); returns each group's encoder state and the members in that order."""
+    if len(owners) != len(sources) or len(max_new_tokens) != len(sources):
+        raise ValueError("one owner and one max_new_tokens per source")
+    if any(not source for source in sources) or min(max_new_tokens) < 1:
+        raise ValueError("every source needs its EOS and max_new_tokens >= 1")
+    hooks = hooks if hooks is not None else [None] * len(sources)
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    groups = _length_groups([len(sources[i]) for i in order], padding_slack)
+    states = [runtime.encode(runtime.pad([sources[order[i]] for i in group])) for group in groups]
+    return states, [Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+
+
+def advance(members: Sequence[Member[Owner] | None], best: np.ndarray, chosen: np.ndarray | None, eos: int,
+            scores: bool) -> list[tuple[int, tuple[Owner, GenerationResult]]]:
+    """Give each live row (None: a dead slot) its token of this step, `best[i]` (and its
+    log-probability `chosen[i]`, when scored), and stop it by `StoppingCriteria`; returns the
+    rows that finished, with their index."""
+    finished: list[tuple[int, tuple[Owner, GenerationResult]]] = []
+    for i, member in enumerate(members):
+        if member is None:
+            continue
+        token = int(best[i])
+        if chosen is not None:
+            member.score += float(chosen[i])
+        cancelled = member.hooks is not None and member.hooks.cancelled
+        reason = StoppingCriteria(eos, member.max_new_tokens)(token, len(member.tokens), cancelled)
+        if reason != EOS:
+            member.tokens.append(token)
+            if member.hooks is not None and member.hooks.on_token is not None:
+                member.hooks.on_token(token)
+        if reason is not None:
+            score = member.score if scores else None
+            finished.append((i, (member.owner, GenerationResult(member.tokens, reason, score))))
+    return finished
+
+
+def _length_groups(lengths: list[int], slack: float) -> list[list[int]]:
+    """Split positions of ascending `lengths` into runs whose padded size (rows x longest) stays
+    within `slack` x their real tokens: one encoder call per run, little padding."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for index, length in enumerate(lengths):
+        if current and (len(current) + 1) * length > slack * (real + length):
+            groups.append(current)
+            current, real = [], 0
+        current.append(index)
+        real += length
+    if current:
+        groups.append(current)
+    return groups
+
+
+def dropped(owners: Sequence[Owner], keep: Collection[Owner]) -> list[int]:
+    """Indices of the `owners` not in `keep` (what `filter` takes out)."""
+    return [i for i, owner in enumerate(owners) if owner not in keep]
