@@ -22,13 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from service.batching.batcher import Batcher, BatchLimits, GenerateFn
 from service.batching.in_flight import InFlightBatch
 from service.batching.pool import BatcherPool
 from service.errors import ModelNotFound, NotReady
 from service.observability import metrics
+from service.runtime.protocol import Runtime
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -36,26 +37,6 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 TASKS = ("translate", "summarize")
 State = Literal["loading", "ready", "failed"]
-
-
-class Runtime(Protocol):
-    """What the registry and the routes use of `service.runtime.ModelRuntime`."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def task(self) -> str: ...
-    @property
-    def tokenizer(self) -> Any: ...
-    @property
-    def provider(self) -> str: ...
-    @property
-    def variant(self) -> str: ...
-    @property
-    def max_source_len(self) -> int: ...
-    @property
-    def max_target_len(self) -> int: ...
-    def warmup(self) -> None: ...
 
 
 Loader = Callable[[Path], Runtime]

@@ -21,9 +21,9 @@ from service.api.disconnect import unless_disconnected
 from service.api.schemas import Output, Usage
 from service.batching.batcher import Generated
 from service.errors import DeadlineExceeded, InvalidInput
-from service.generation import attention_maps
 from service.observability import metrics
-from service.registry import ModelEntry, Runtime
+from service.registry import ModelEntry
+from service.runtime.protocol import Runtime
 from service.settings import Settings
 
 T = TypeVar("T")
@@ -106,9 +106,9 @@ def usage(outputs: Sequence[Output]) -> Usage:
     )
 
 
-def attention_runtime(runtime: Any) -> attention_maps.AttentionRuntime:
+def attention_runtime(runtime: Any) -> Runtime:
     """The runtime, if it gives attention weights; else 422."""
-    if not isinstance(runtime, attention_maps.AttentionRuntime):
+    if not isinstance(runtime, Runtime):
         raise InvalidInput(f"model {runtime.name!r} does not give attention weights")
     return runtime
 

@@ -21,8 +21,9 @@ import numpy as np
 
 from model.stopping import EOS, StoppingCriteria
 from service.generation.hooks import RowHooks
-from service.generation.search import GenerationResult, Runtime
+from service.generation.search import GenerationResult
 from service.runtime import EncoderState
+from service.runtime.protocol import Runtime
 
 Owner = TypeVar("Owner")
 

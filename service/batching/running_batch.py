@@ -35,8 +35,9 @@ import numpy as np
 
 from service.batching.in_flight import Member, Owner, advance, encode_newcomers
 from service.generation.hooks import RowHooks
-from service.generation.search import GenerationResult, Runtime, greedy_choice
+from service.generation.search import GenerationResult, greedy_choice
 from service.runtime import EncoderState, KVCache, to_numpy
+from service.runtime.protocol import Runtime
 
 
 class RunningBatch(Generic[Owner]):
@@ -204,7 +205,7 @@ class RunningBatch(Generic[Owner]):
         template = self._cross_keys[0] if self._cross_keys else new_cross[0][0][0]
         layers = len(self._cross_keys) if self._cross_keys else len(new_cross[0][0])
         heads, head_dim = template.shape[1], template.shape[3]
-        cache_dtype = self._keys[0].dtype if self._keys else self.runtime.cache_dtype  # type: ignore[attr-defined]
+        cache_dtype = self._keys[0].dtype if self._keys else self.runtime.cache_dtype
 
         def gather(old: np.ndarray | None, new: list[np.ndarray], length: int, start: int,
                    dtype: np.dtype) -> np.ndarray:

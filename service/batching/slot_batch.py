@@ -23,30 +23,16 @@ whole batch's scale, so its tokens may depend on its neighbours.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Generic, Protocol
+from typing import Generic
 
 import numpy as np
-import onnxruntime as ort
 
 from service.batching.in_flight import Member, Owner, advance, encode_newcomers
 from service.generation.hooks import RowHooks
-from service.generation.search import GenerationResult, Runtime, greedy_choice
+from service.generation.search import GenerationResult, greedy_choice
 from service.runtime import to_numpy
+from service.runtime.protocol import Runtime
 from service.runtime.step_buffers import CacheBuffers, run_step
-
-
-class StepRuntime(Runtime, Protocol):
-    """What a `SlotBatch` uses of `service.runtime.ModelRuntime`."""
-
-    @property
-    def step(self) -> ort.InferenceSession | None: ...
-    @property
-    def n_decoder_layers(self) -> int: ...
-    @property
-    def n_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-
 
 COLUMN_QUANTUM = 32  # cache columns grow to the next multiple of this, not by doubling
 
@@ -71,7 +57,7 @@ class SlotBatch(Generic[Owner]):
 
     pads_to_oldest = False  # a newcomer's cache is its own: joins cost the same at any age
 
-    def __init__(self, runtime: StepRuntime, padding_slack: float = 1.25, scores: bool = True,
+    def __init__(self, runtime: Runtime, padding_slack: float = 1.25, scores: bool = True,
                  rows: int = 8, capacity: int = 32) -> None:
         if runtime.step is None:
             raise ValueError("the runtime has no step graph (decoder_step.onnx): use RunningBatch")

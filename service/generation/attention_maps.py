@@ -20,36 +20,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
-from service.generation.search import Runtime as GenerationRuntime
 from service.generation.search import teacher_forced_attention
+from service.runtime.protocol import Runtime
 
 EOS_PIECE = "</s>"
 KINDS = ("encoder", "decoder", "cross")
 ALIGNMENT_DECIMALS = 4  # rounding of `return_attention` weights
-
-
-@runtime_checkable
-class AttentionRuntime(GenerationRuntime, Protocol):
-    """What attention maps use of `service.runtime.ModelRuntime`."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def tokenizer(self) -> Any: ...
-    @property
-    def max_source_len(self) -> int: ...
-    @property
-    def max_target_len(self) -> int: ...
-    @property
-    def n_encoder_layers(self) -> int: ...
-    @property
-    def n_decoder_layers(self) -> int: ...
-    @property
-    def n_heads(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -62,17 +42,17 @@ class Selection:
     average_heads: bool = False
     decimals: int = 4
 
-    def layer_indices(self, runtime: AttentionRuntime, kind: str) -> list[int]:
+    def layer_indices(self, runtime: Runtime, kind: str) -> list[int]:
         """The layers of `kind` returned, in order."""
         if self.layers is not None:
             return list(self.layers)
         return list(range(layer_count(runtime, kind)))
 
-    def head_indices(self, runtime: AttentionRuntime) -> list[int]:
+    def head_indices(self, runtime: Runtime) -> list[int]:
         """The heads returned (or averaged), in order."""
         return list(self.heads) if self.heads is not None else list(range(runtime.n_heads))
 
-    def cells(self, runtime: AttentionRuntime, source_len: int, target_len: int) -> int:
+    def cells(self, runtime: Runtime, source_len: int, target_len: int) -> int:
         """How many weights the maps hold, for sources and targets of these lengths (with EOS)."""
         heads = 1 if self.average_heads else len(self.head_indices(runtime))
         shape = {"encoder": (source_len, source_len), "decoder": (target_len, target_len),
@@ -81,7 +61,7 @@ class Selection:
                    for kind in self.kinds)
 
 
-def layer_count(runtime: AttentionRuntime, kind: str) -> int:
+def layer_count(runtime: Runtime, kind: str) -> int:
     """Layers of the encoder (encoder kind) or of the decoder (decoder and cross kinds)."""
     return runtime.n_encoder_layers if kind == "encoder" else runtime.n_decoder_layers
 
@@ -108,7 +88,7 @@ def rounded(weights: np.ndarray, decimals: int) -> Any:
     return np.round(weights.astype(np.float64), decimals).tolist()
 
 
-def attention_json(runtime: AttentionRuntime, source_ids: list[int], target_ids: list[int],
+def attention_json(runtime: Runtime, source_ids: list[int], target_ids: list[int],
                    selection: Selection, fields: dict[str, Any]) -> bytes:
     """The `/v1/attention` body: `fields` plus the selected maps of `target_ids` given
     `source_ids` (ending with EOS), teacher-forced; serialised to JSON."""
@@ -123,7 +103,7 @@ def attention_json(runtime: AttentionRuntime, source_ids: list[int], target_ids:
                       ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
-def decoder_input(runtime: GenerationRuntime, tokens: Sequence[int], ended_with_eos: bool
+def decoder_input(runtime: Runtime, tokens: Sequence[int], ended_with_eos: bool
                   ) -> tuple[list[int], int]:
     """The teacher-forced decoder input replaying a generated output, and its number of rows.
 
@@ -133,7 +113,7 @@ def decoder_input(runtime: GenerationRuntime, tokens: Sequence[int], ended_with_
     return [runtime.bos_id, *tokens][: max(rows, 1)], rows
 
 
-def alignments(runtime: GenerationRuntime, sources: list[list[int]],
+def alignments(runtime: Runtime, sources: list[list[int]],
                outputs: list[tuple[list[int], bool]]) -> list[list[list[float]]]:
     """Cross-attention of each generated output over its source, last decoder layer, mean of
     the heads, rounded: `[row][source token]` (rows as in `decoder_input`).

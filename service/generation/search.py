@@ -20,28 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from model.stopping import EOS, StoppingCriteria
 from service.generation.hooks import RowHooks
-from service.runtime import DecoderStep, EncoderState, KVCache
-
-
-class Runtime(Protocol):
-    """What generation uses of `service.runtime.ModelRuntime`."""
-
-    @property
-    def bos_id(self) -> int: ...
-    @property
-    def eos_id(self) -> int: ...
-    def pad(self, sources: list[list[int]]) -> np.ndarray: ...
-    def encode(self, input_ids: np.ndarray, need_attention: bool = False) -> EncoderState: ...
-    def decode(self, input_ids: np.ndarray, state: EncoderState, cache: KVCache | None = None,
-               positions: np.ndarray | None = None, target_mask: np.ndarray | None = None,
-               need_attention: bool = False) -> DecoderStep: ...
-
+from service.runtime import EncoderState, KVCache
+from service.runtime.protocol import Runtime
 
 Hooks = Sequence[RowHooks | None]
 

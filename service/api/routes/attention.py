@@ -22,7 +22,8 @@ from service.api.routes.generate import ERROR_RESPONSES
 from service.api.schemas import AttentionRequest, AttentionResponse
 from service.errors import InvalidInput
 from service.generation import attention_maps
-from service.generation.attention_maps import AttentionRuntime, Selection
+from service.generation.attention_maps import Selection
+from service.runtime.protocol import Runtime
 from service.settings import Settings
 
 router = APIRouter(tags=["attention"])
@@ -84,7 +85,7 @@ async def post_attention(
     return Response(content=content, media_type="application/json")
 
 
-def _check_indices(runtime: AttentionRuntime, selection: Selection) -> None:
+def _check_indices(runtime: Runtime, selection: Selection) -> None:
     """Every layer asked for exists in each kind asked for, every head in the model."""
     for kind in selection.kinds:
         count = attention_maps.layer_count(runtime, kind)
@@ -98,7 +99,7 @@ def _check_indices(runtime: AttentionRuntime, selection: Selection) -> None:
                            f"(0 to {runtime.n_heads - 1})")
 
 
-def _check_cells(runtime: AttentionRuntime, selection: Selection, source_len: int,
+def _check_cells(runtime: Runtime, selection: Selection, source_len: int,
                  target_len: int, settings: Settings) -> None:
     """The response's weights (for these lengths, with EOS) within `attention_max_cells`."""
     cells = selection.cells(runtime, source_len, target_len)
@@ -116,7 +117,7 @@ def _check_chars(where: str, text: str, settings: Settings) -> None:
 
 
 def _source(
-    runtime: AttentionRuntime, text: str, settings: Settings
+    runtime: Runtime, text: str, settings: Settings
 ) -> tuple[list[int], list[dict[str, Any]]]:
     """The encoder's input (ids then EOS) and its tokens, within the source limits."""
     _check_chars("source", text, settings)
@@ -133,7 +134,7 @@ def _source(
 
 
 def _given_target(
-    runtime: AttentionRuntime, text: str, settings: Settings
+    runtime: Runtime, text: str, settings: Settings
 ) -> tuple[list[int], list[dict[str, Any]]]:
     """The target's ids (no BOS/EOS) and its tokens (then `</s>`), within the target limits."""
     _check_chars("target", text, settings)
@@ -144,7 +145,7 @@ def _given_target(
     return ids, attention_maps.labels(runtime.tokenizer.pieces(ids), spans, len(text), True)
 
 
-def _generation_limit(runtime: AttentionRuntime, settings: Settings) -> int:
+def _generation_limit(runtime: Runtime, settings: Settings) -> int:
     """`max_new_tokens` of a generated target: the server's, within the attention limit."""
     limit = min(settings.default_max_new_tokens or runtime.max_target_len,
                 runtime.max_target_len)

@@ -23,7 +23,8 @@ from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
 from service.generation import attention_maps
-from service.registry import ModelRegistry, Runtime
+from service.registry import ModelRegistry
+from service.runtime.protocol import Runtime
 from service.settings import Settings
 
 router = APIRouter(tags=["generate"])
