@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from model.config import ModelConfig
+
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 2  # 2: standard ONNX external data (1 stored packed bfloat16 weights)
 TASKS = ("translate", "summarize")
@@ -75,7 +77,7 @@ class Manifest:
     task: str  # "translate" | "summarize"
     source_language: str
     target_language: str
-    model_config: dict[str, Any]  # the ModelConfig fields
+    model_config: dict[str, Any]  # the ModelConfig fields, as stored (`config` reads them once)
     special_ids: dict[str, int]  # pad, unk, bos, eos
     max_source_len: int  # source tokens including the final EOS
     max_target_len: int  # generated tokens including EOS
@@ -88,10 +90,21 @@ class Manifest:
     source_suffix: str = "eos"  # sources are tokenizer ids + [eos]
     quality: dict[str, Any] | None = None  # fp32 quality (same numbers as variants["fp32"])
     exporter: dict[str, Any] = field(default_factory=dict)  # tool versions and settings
+    # `model_config` as a typed config, read once (not stored: `model_config` is)
+    config: ModelConfig = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.config = ModelConfig.from_dict(self.model_config)
+        ids = {"pad": self.config.pad_id, "unk": self.config.unk_id, "bos": self.config.bos_id,
+               "eos": self.config.eos_id}
+        if self.special_ids != ids:
+            raise ValueError(f"special_ids {self.special_ids} differ from model_config's {ids}")
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        del values["config"]
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Manifest:
@@ -101,9 +114,9 @@ class Manifest:
                 raise ManifestError(f"format_version {values.get('format_version')!r} is not {FORMAT_VERSION}: "
                                     "re-export the model with this version's `attnserve export`")
             values["variants"] = {k: Variant(**v) for k, v in values["variants"].items()}
-            known = {f.name for f in dataclasses.fields(cls)}
+            known = {f.name for f in dataclasses.fields(cls) if f.init}
             manifest = cls(**{k: v for k, v in values.items() if k in known})
-        except (KeyError, TypeError) as error:
+        except (KeyError, TypeError, ValueError) as error:
             raise ManifestError(f"malformed manifest: {error}") from error
         if manifest.task not in TASKS:
             raise ManifestError(f"task must be one of {TASKS}, got {manifest.task!r}")

@@ -162,23 +162,23 @@ class ModelRuntime:
         raise ModelLoadError(f"{directory}: no variant of {sorted(manifest.variants)} can run on {usable}"
                              + (f" (asked for {variant!r})" if variant else ""))
 
-    # -- configuration ---------------------------------------------------------------------
+    # -- configuration: the manifest's typed model config, read once ---------------------------
 
     @property
     def pad_id(self) -> int:
-        return int(self.manifest.special_ids["pad"])
+        return self.manifest.config.pad_id
 
     @property
     def bos_id(self) -> int:
-        return int(self.manifest.special_ids["bos"])
+        return self.manifest.config.bos_id
 
     @property
     def eos_id(self) -> int:
-        return int(self.manifest.special_ids["eos"])
+        return self.manifest.config.eos_id
 
     @property
     def unk_id(self) -> int:
-        return int(self.manifest.special_ids["unk"])
+        return self.manifest.config.unk_id
 
     @property
     def max_source_len(self) -> int:
@@ -190,23 +190,23 @@ class ModelRuntime:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.manifest.model_config["vocab_size"])
+        return self.manifest.config.vocab_size
 
     @property
     def n_encoder_layers(self) -> int:
-        return int(self.manifest.model_config["n_encoder_layers"])
+        return self.manifest.config.n_encoder_layers
 
     @property
     def n_decoder_layers(self) -> int:
-        return int(self.manifest.model_config["n_decoder_layers"])
+        return self.manifest.config.n_decoder_layers
 
     @property
     def n_heads(self) -> int:
-        return int(self.manifest.model_config["n_heads"])
+        return self.manifest.config.n_heads
 
     @property
     def head_dim(self) -> int:
-        return int(self.manifest.model_config["d_model"]) // self.n_heads
+        return self.manifest.config.head_dim
 
     @property
     def cache_dtype(self) -> np.dtype:
