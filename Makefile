@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test test-slow bench soak venv-serve venv-dev venv-bench
+.PHONY: serve test test-slow deploy-test bench soak venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +26,18 @@ serve: venv-serve
 	$(BIN)/attnserve serve --host 0.0.0.0 --port $(PORT) --models models
 
 test: venv-dev
-	$(BIN)/python -m pytest -m "not slow and not gpu and not soak" -q
+	$(BIN)/python -m pytest -m "not slow and not gpu and not soak and not docker" -q
 
 test-slow: venv-dev
 	$(BIN)/python -m pytest -m "slow" -q
+
+# The deployment for real (tests/docker/test_deploy_stack.py): builds docker/Dockerfile.cpu, starts
+# the compose stack's attnserve and Prometheus, checks every dashboard query and the drain, and
+# writes its figures to bench/results/deploy. Starts a Docker engine (and base images without a
+# registry) through tests/docker/engine.sh where it can (root, apt-get); fails where it cannot.
+deploy-test: venv-dev
+	ATTNSERVE_DOCKER_REQUIRED=1 ATTNSERVE_DEPLOY_OUT=bench/results/deploy \
+		$(BIN)/python -m pytest -m docker -q tests/docker
 
 bench: venv-bench
 	$(BIN)/attnserve bench --models models --data-dir data --out bench/results/cpu \

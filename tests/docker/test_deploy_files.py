@@ -90,8 +90,12 @@ def test_compose_ports_bind_to_loopback_by_default(name: str) -> None:
     service = _yaml(COMPOSE)["services"][name]
     assert service["ports"], name
     for port in service["ports"]:
-        host = str(port).rsplit(":", 2)[0]  # "${ATTNSERVE_BIND:-127.0.0.1}:8000:8000"
-        assert re.sub(r"^\$\{\w+:-(.*)\}$", r"\1", host) == "127.0.0.1", port
+        # "${ATTNSERVE_BIND:-127.0.0.1}:${ATTNSERVE_HOST_PORT:-8000}:8000": each part of
+        # host:published:container, a `${VAR:-default}` read as its default.
+        parts = re.findall(r"\$\{\w+:-([^}]*)\}|([^:${}]+)", str(port))
+        host, published, container = ("".join(match) for match in parts)
+        assert host == "127.0.0.1", port
+        assert published.isdigit() and container.isdigit(), port
 
 
 def test_compose_healthchecks_and_restart_everywhere() -> None:
