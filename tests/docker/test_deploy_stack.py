@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from tests.docker.conftest import Engine
+from tests.docker.test_deploy_files import _autoscaling_queries
 
 pytestmark = pytest.mark.docker
 
@@ -300,6 +301,19 @@ def test_translate_and_summarize_through_the_published_port(stack: Stack) -> Non
     assert refused.status_code == 422 and "error" in refused.json(), refused.text
 
 
+def test_open_inference_protocol_through_the_published_port(stack: Stack) -> None:
+    """The v2 routes the KServe predictor (docker/kserve) is probed and called on."""
+    with httpx.Client(base_url=stack.attnserve, timeout=60) as client:
+        live = client.get("/v2/health/live")
+        ready = client.get("/v2/health/ready")
+        inferred = client.post("/v2/models/translate-en-it/infer", json={"inputs": [
+            {"name": "text", "datatype": "BYTES", "shape": [1], "data": [SENTENCES[0]]}]})
+    assert live.status_code == 200 and ready.status_code == 200
+    assert inferred.status_code == 200, inferred.text
+    outputs = {o["name"]: o["data"] for o in inferred.json()["outputs"]}
+    assert "pacchetto" in outputs["output"][0].lower(), outputs
+
+
 # ---- Prometheus and the dashboard ---------------------------------------------------------------
 
 
@@ -391,17 +405,21 @@ def test_every_dashboard_query_returns_data(stack: Stack, results: dict[str, Any
 
     empty = []
     checked = 0
-    for model in [".*", *models]:  # ".*" is the variable's allValue
-        for title, expr in _dashboard_expressions():
-            query = expr.replace("$__rate_interval", rate_interval).replace("$model", model)
-            assert "$" not in query, f"{title}: unsubstituted variable in {query}"
-            series = _prometheus(stack, "/api/v1/query_range", query=query, start=started,
-                                 end=ended, step=step_s)["result"]
-            values = [float(v) for s in series for _, v in s["values"]]
-            checked += 1
-            if not any(math.isfinite(v) for v in values):
-                empty.append(f"{title} [model={model}]: {query} -> {series}")
-    assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+    # The panels, for "All" (the variable's allValue) and each model; and the autoscalers'
+    # queue-depth query (docker/k8s, docker/kserve: the job name is the same here).
+    panels = [(model, title, expr) for model in [".*", *models]
+              for title, expr in _dashboard_expressions()]
+    panels += [("-", f"autoscaling ({where})", query) for where, query in _autoscaling_queries()]
+    for model, title, expr in panels:
+        query = expr.replace("$__rate_interval", rate_interval).replace("$model", model)
+        assert "$" not in query, f"{title}: unsubstituted variable in {query}"
+        series = _prometheus(stack, "/api/v1/query_range", query=query, start=started,
+                             end=ended, step=step_s)["result"]
+        values = [float(v) for s in series for _, v in s["values"]]
+        checked += 1
+        if not any(math.isfinite(v) for v in values):
+            empty.append(f"{title} [model={model}]: {query} -> {series}")
+    assert not empty, "queries without data:\n" + "\n".join(empty)
     version = _prometheus(stack, "/api/v1/status/buildinfo")["version"]
     results["dashboard"] = {"queries_checked": checked, "models": models,
                             "prometheus_version": version,
@@ -517,7 +535,7 @@ def _write_results(out: Path, measured: dict[str, Any]) -> None:
         f"{drain['stop_s']:.1f} s (grace {drain['grace_period_s']:.0f} s) | `docker compose -f "
         "docker/docker-compose.yml stop attnserve` |",
         f"| dashboard | {measured['dashboard']['queries_checked']} queries (every panel, model "
-        "= All and each model) returned data from Prometheus "
+        "= All and each model, and the autoscalers' query) returned data from Prometheus "
         f"{measured['dashboard']['prometheus_version']} | `make deploy-test` |",
         f"| whole stage | {record['stage_s']:.0f} s | `make deploy-test` |",
         "",
