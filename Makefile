@@ -35,6 +35,7 @@ test-slow: venv-dev
 # the compose stack's attnserve and Prometheus, checks every dashboard query and the drain, and
 # writes its figures to bench/results/deploy. Starts a Docker engine (and base images without a
 # registry) through tests/docker/engine.sh where it can (root, apt-get); fails where it cannot.
+# The build uses the layer cache; ATTNSERVE_DOCKER_NO_CACHE=1 builds without it.
 deploy-test: venv-dev
 	ATTNSERVE_DOCKER_REQUIRED=1 ATTNSERVE_DEPLOY_OUT=bench/results/deploy \
 		$(BIN)/python -m pytest -m docker -q tests/docker
