@@ -124,6 +124,26 @@ def results(docker_engine: Engine) -> Iterator[dict[str, Any]]:
         _write_results(Path(out), measured)
 
 
+def _image_id(ref: str, env: dict[str, str]) -> str | None:
+    found = _docker("image", "inspect", "-f", "{{.Id}}", ref, env=env, check=False)
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def _keep_only_this_build(name: str, previous: set[str | None], dangling_before: set[str],
+                          env: dict[str, str]) -> None:
+    """Tag the build stage's image of the build just made `NAME-build` (the layer cache of the
+    next build, which the classic builder leaves untagged) and remove the images of the
+    previous build, so that rebuilding does not fill the disk."""
+    dangling = set(_docker("images", "-q", "--no-trunc", "-f", "dangling=true", env=env)
+                   .stdout.split())
+    new_stage = dangling - dangling_before - previous
+    if len(new_stage) == 1:
+        _docker("tag", new_stage.pop(), f"{name}-build", env=env)
+    current = {_image_id(name, env), _image_id(f"{name}-build", env)}
+    for old in previous - current:
+        _docker("rmi", str(old), env=env, check=False)  # in use by a container: kept
+
+
 @pytest.fixture(scope="module")
 def image(docker_engine: Engine, results: dict[str, Any]) -> Image:
     """docker/Dockerfile.cpu built as-is under the name the compose file gives it."""
@@ -134,9 +154,13 @@ def image(docker_engine: Engine, results: dict[str, Any]) -> Image:
     no_cache = os.environ.get("ATTNSERVE_DOCKER_NO_CACHE") == "1"
     args = ["build", *(["--no-cache"] if no_cache else []), "-f", str(DOCKERFILE), "-t", name,
             str(ROOT)]
+    previous = {_image_id(ref, env) for ref in (name, f"{name}-build")} - {None}
+    dangling = set(_docker("images", "-q", "--no-trunc", "-f", "dangling=true", env=env)
+                   .stdout.split())
     started = time.monotonic()
     build = _docker(*args, env={**env, "DOCKER_BUILDKIT": "0"}, timeout_s=1800)
     build_s = time.monotonic() - started
+    _keep_only_this_build(name, previous, dangling, env)
     base_config = _inspect(base.group(1), env, "image")
     built = Image(
         name=name,
