@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -189,7 +189,6 @@ class Stack:
     up_s: float = 0.0
     ready_s: float = 0.0
     healthy_s: float = 0.0
-    logs: list[str] = field(default_factory=list)
 
     def compose(self, *args: str, timeout_s: float = 300, check: bool = True
                 ) -> subprocess.CompletedProcess:
