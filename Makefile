@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test lint gpu-check test-slow test-newcomer bench soak venv-serve venv-dev venv-bench
+.PHONY: serve test lint gpu-check test-slow test-newcomer deploy-test bench soak venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ serve: venv-serve
 	$(BIN)/attnserve serve --host 0.0.0.0 --port $(PORT) --models models
 
 test: venv-dev
-	$(BIN)/python -m pytest -m "not slow and not gpu and not soak and not newcomer" -q
+	$(BIN)/python -m pytest -m "not slow and not gpu and not soak and not newcomer and not docker" -q
 
 # Style, types and the one-way layers (pyproject.toml's [tool.importlinter] contracts).
 lint: venv-dev
@@ -57,6 +57,15 @@ test-newcomer: venv-dev
 
 test-slow: venv-dev
 	$(BIN)/python -m pytest -m "slow" -q
+
+# The deployment for real (tests/docker/test_deploy_stack.py): builds docker/Dockerfile.cpu, starts
+# the compose stack's attnserve and Prometheus, checks every dashboard query and the drain, and
+# writes its figures to bench/results/deploy. Starts a Docker engine (and base images without a
+# registry) through tests/docker/engine.sh where it can (root, apt-get); fails where it cannot.
+# The build uses the layer cache; ATTNSERVE_DOCKER_NO_CACHE=1 builds without it.
+deploy-test: venv-dev
+	ATTNSERVE_DOCKER_REQUIRED=1 ATTNSERVE_DEPLOY_OUT=bench/results/deploy \
+		$(BIN)/python -m pytest -m docker -q tests/docker
 
 bench: venv-bench
 	$(BIN)/attnserve bench --models models --data-dir data --out bench/results/cpu \

@@ -141,7 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         start_metrics_server(settings.metrics_port, settings.host)
     app = create_app(settings)
-    # one process owns the models and the batcher (see service/metrics.py)
+    # one process owns the models and the batcher (see service/observability/metrics.py)
     config = uvicorn.Config(app, workers=1, **uvicorn_options(settings))
     server = _draining_server(config, app.state.registry, settings.shutdown_delay_s)
     # uvicorn re-raises the signal that stopped it once it has drained; with this handler

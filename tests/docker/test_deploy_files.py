@@ -1,8 +1,10 @@
-"""The deployment files under docker/, validated offline (no Docker engine, no cluster).
+"""The deployment files under docker/, validated offline (no engine, no cluster needed).
 
 External validators run when installed and skip with the reason otherwise:
 check-jsonschema (compose spec), hadolint, kubernetes-validate (PyPI, dev extra) and promtool
-(Debian/Ubuntu package `prometheus`).
+(Debian/Ubuntu package `prometheus`). Custom resources (KServe's InferenceService, KEDA's
+ScaledObject) are checked against their published CRD schemas (tests/docker/schemas/), strictly.
+test_deploy_stack.py (marker `docker`) builds and runs them for real.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 import yaml
 
 from service.observability import metrics
+from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -32,10 +35,34 @@ DATASOURCES = DOCKER / "grafana" / "provisioning" / "datasources"
 DASHBOARD_PROVIDERS = DOCKER / "grafana" / "provisioning" / "dashboards"
 K8S = DOCKER / "k8s"
 DOCKERFILES = {"gpu": DOCKER / "Dockerfile", "cpu": DOCKER / "Dockerfile.cpu"}
-K8S_MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+KSERVE = DOCKER / "kserve"
+SCHEMAS = Path(__file__).with_name("schemas")
+# Custom resources: (apiVersion, kind) -> the fixture holding their CRD's schema.
+CRD_SCHEMAS = {
+    ("serving.kserve.io/v1beta1", "InferenceService"):
+        SCHEMAS / "inferenceservice-serving.kserve.io-v1beta1.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): SCHEMAS / "scaledobject-keda.sh-v1alpha1.json",
+}
+# Trigger metadata KEDA's Prometheus scaler reads (kedacore/keda v2.20.2,
+# pkg/scalers/prometheus_scaler.go); the CRD types metadata only as a map of strings.
+KEDA_PROMETHEUS_METADATA = {
+    "serverAddress", "query", "queryParameters", "threshold", "activationThreshold",
+    "namespace", "customHeaders", "ignoreNullValues", "unsafeSsl", "awsRegion", "timeout",
+    "identityOwner",
+}
+
+
+def _kind(path: Path) -> tuple[str, str]:
+    (document,) = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return document["apiVersion"], document["kind"]
+
+
+K8S_ALL = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+K8S_MANIFESTS = [p for p in K8S_ALL if _kind(p) not in CRD_SCHEMAS]  # core kinds
+CUSTOM_RESOURCES = [p for p in K8S_ALL + sorted(KSERVE.glob("*.yaml")) if _kind(p) in CRD_SCHEMAS]
 
 SERVE_CMD = ["attnserve", "serve", "--host", "0.0.0.0", "--port", "8000", "--models", "/app/models"]
-DRAIN_SECONDS = 30
+DRAIN_SECONDS = Settings().drain_timeout_s  # what the server drains for by default
 METRIC_NAME = re.compile(r"\battnserve_[a-z_]+")
 
 
@@ -81,7 +108,7 @@ def test_compose_attnserve_is_locked_down() -> None:
     assert int(str(service["user"]).split(":")[0]) > 0
     assert service["cap_drop"] == ["ALL"]
     assert service["restart"] in {"always", "unless-stopped", "on-failure"}
-    assert service["stop_grace_period"] == f"{DRAIN_SECONDS}s"
+    assert int(service["stop_grace_period"].removesuffix("s")) >= DRAIN_SECONDS
     assert "/health/ready" in " ".join(service["healthcheck"]["test"])
 
 
@@ -90,8 +117,12 @@ def test_compose_ports_bind_to_loopback_by_default(name: str) -> None:
     service = _yaml(COMPOSE)["services"][name]
     assert service["ports"], name
     for port in service["ports"]:
-        host = str(port).rsplit(":", 2)[0]  # "${ATTNSERVE_BIND:-127.0.0.1}:8000:8000"
-        assert re.sub(r"^\$\{\w+:-(.*)\}$", r"\1", host) == "127.0.0.1", port
+        # "${ATTNSERVE_BIND:-127.0.0.1}:${ATTNSERVE_HOST_PORT:-8000}:8000": each part of
+        # host:published:container, a `${VAR:-default}` read as its default.
+        parts = re.findall(r"\$\{\w+:-([^}]*)\}|([^:${}]+)", str(port))
+        host, published, container = ("".join(match) for match in parts)
+        assert host == "127.0.0.1", port
+        assert published.isdigit() and container.isdigit(), port
 
 
 def test_compose_healthchecks_and_restart_everywhere() -> None:
@@ -204,6 +235,125 @@ def test_dockerignore_keeps_the_workspace_out() -> None:
 def test_kubernetes_validate_accepts_manifest(manifest: Path) -> None:
     tool = _tool("kubernetes-validate", "PyPI kubernetes-validate")
     _run(tool, "--strict", "--quiet", manifest)
+
+
+def _strict(schema: Any) -> Any:
+    """The schema with unknown fields refused, as `kubectl apply --validate=strict` does: every
+    object that lists its properties, and keeps no unknown fields, gets
+    `additionalProperties: false`."""
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    strict = {key: _strict(value) for key, value in schema.items()}
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields") \
+            and "additionalProperties" not in schema:
+        strict["additionalProperties"] = False
+    return strict
+
+
+def _crd_errors(document: dict[str, Any]) -> list[str]:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = _strict(json.loads(CRD_SCHEMAS[(document["apiVersion"], document["kind"])].read_text()))
+    validator = jsonschema.Draft4Validator(schema)
+    return [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+            for e in validator.iter_errors(document)]
+
+
+@pytest.mark.parametrize("manifest", CUSTOM_RESOURCES, ids=lambda p: p.name)
+def test_custom_resource_matches_its_crd_schema(manifest: Path) -> None:
+    (document,) = _yaml_documents(manifest)
+    assert _crd_errors(document) == []
+
+
+def test_crd_schemas_refuse_what_the_api_server_would() -> None:
+    """The strict schemas are not vacuous: a misspelt field, a wrong type and a missing
+    required field each fail."""
+    (isvc,) = _yaml_documents(KSERVE / "inferenceservice.yaml")
+    (scaled,) = _yaml_documents(K8S / "keda-scaledobject.yaml")
+    misspelt = json.loads(json.dumps(isvc))
+    misspelt["spec"]["predictor"]["minReplica"] = 2
+    wrong_type = json.loads(json.dumps(isvc))
+    wrong_type["spec"]["predictor"]["containers"][0]["ports"][0]["containerPort"] = "8000"
+    missing = json.loads(json.dumps(scaled))
+    del missing["spec"]["scaleTargetRef"]["name"]
+    unknown_in_trigger = json.loads(json.dumps(scaled))
+    unknown_in_trigger["spec"]["triggers"][0]["metricTyp"] = "AverageValue"
+    for broken in (misspelt, wrong_type, missing, unknown_in_trigger):
+        assert _crd_errors(broken), broken
+
+
+def _autoscaling_queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every Prometheus autoscaling query in docker/."""
+    (scaled,) = _yaml_documents(K8S / "keda-scaledobject.yaml")
+    (isvc,) = _yaml_documents(KSERVE / "inferenceservice.yaml")
+    queries = [("keda-scaledobject.yaml", t["metadata"]["query"])
+               for t in scaled["spec"]["triggers"] if t["type"] == "prometheus"]
+    queries += [("inferenceservice.yaml", m["external"]["metric"]["query"])
+                for m in isvc["spec"]["predictor"]["autoScaling"]["metrics"]
+                if m["type"] == "External" and m["external"]["metric"]["backend"] == "prometheus"]
+    return queries
+
+
+def test_autoscaling_follows_the_queue_depth_of_attnserve() -> None:
+    (scaled,) = _yaml_documents(K8S / "keda-scaledobject.yaml")
+    (deployment,) = _yaml_documents(K8S / "deployment.yaml")
+    (hpa,) = _yaml_documents(K8S / "hpa.yaml")
+    target = scaled["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
+    assert scaled["spec"]["minReplicaCount"] == hpa["spec"]["minReplicas"]
+    assert scaled["spec"]["maxReplicaCount"] == hpa["spec"]["maxReplicas"]
+    for trigger in scaled["spec"]["triggers"]:
+        if trigger["type"] == "prometheus":
+            assert set(trigger["metadata"]) <= KEDA_PROMETHEUS_METADATA, trigger["metadata"]
+            assert float(trigger["metadata"]["threshold"]) > 0
+    queries = _autoscaling_queries()
+    assert len(queries) == 2
+    exported = metrics.metric_names()
+    for where, query in queries:
+        names = set(METRIC_NAME.findall(query))
+        assert names == {"attnserve_queue_depth"}, (where, query)
+        assert names <= exported
+        assert 'job="attnserve"' in query  # the job name docker/README.md's scrape config sets
+
+
+def test_autoscaling_queries_parse(tmp_path: Path) -> None:
+    promtool = _tool("promtool", "the Debian/Ubuntu package `prometheus`")
+    rules = [{"record": f"attnserve:autoscaling_{i}", "expr": query}
+             for i, (_, query) in enumerate(_autoscaling_queries())]
+    rules_file = tmp_path / "autoscaling-rules.yml"
+    rules_file.write_text(json.dumps({"groups": [{"name": "autoscaling", "rules": rules}]}))
+    _run(promtool, "check", "rules", rules_file)
+
+
+def test_inferenceservice_runs_the_image_as_the_deployment_does() -> None:
+    """The KServe predictor: the same image, command, probes on the v2 health routes, security
+    and drain as docker/k8s/deployment.yaml, one process per pod, scaled by KEDA."""
+    (isvc,) = _yaml_documents(KSERVE / "inferenceservice.yaml")
+    (deployment,) = _yaml_documents(K8S / "deployment.yaml")
+    annotations = isvc["metadata"]["annotations"]
+    assert annotations["serving.kserve.io/deploymentMode"] == "Standard"
+    assert annotations["serving.kserve.io/autoscalerClass"] == "keda"
+    predictor = isvc["spec"]["predictor"]
+    pod = deployment["spec"]["template"]["spec"]
+    (reference,) = pod["containers"]
+    (container,) = predictor["containers"]
+    assert container["name"] == "kserve-container"
+    assert container["image"] == reference["image"]
+    assert container["args"] == reference["args"] == SERVE_CMD
+    assert "--workers" not in container["args"]
+    assert container["ports"][0]["containerPort"] == reference["ports"][0]["containerPort"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    for key in ("securityContext", "resources", "lifecycle", "volumeMounts"):
+        assert container[key] == reference[key], key
+    for key in ("securityContext", "terminationGracePeriodSeconds", "volumes",
+                "automountServiceAccountToken"):
+        assert predictor[key] == pod[key], key
+    labels = deployment["spec"]["template"]["metadata"]
+    assert predictor["labels"] == labels["labels"]
+    assert predictor["annotations"] == labels["annotations"]
+    assert 1 <= predictor["minReplicas"] <= predictor["maxReplicas"]
 
 
 def test_kustomization_lists_existing_manifests() -> None:
