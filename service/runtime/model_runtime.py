@@ -123,8 +123,9 @@ class ModelRuntime:
         if CUDA in providers:
             prepare_cuda()
             reason = cuda_unavailable_reason()
-            if reason is not None and CPU in providers:
-                logger.warning("%s: CUDAExecutionProvider unavailable, serving on the CPU: %s", manifest.name, reason)
+            if reason is not None and CPU in providers:  # a warning when the CUDA build is there but fails
+                level = logging.WARNING if CUDA in ort.get_available_providers() else logging.INFO
+                logger.log(level, "%s: CUDAExecutionProvider unavailable, serving on the CPU: %s", manifest.name, reason)
         available = set(ort.get_available_providers())
         usable = [p for p in providers if p in available]
         if not usable:

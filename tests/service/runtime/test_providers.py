@@ -20,15 +20,16 @@ def _fresh_reason():
 
 
 @pytest.mark.skipif(CUDA in ort.get_available_providers(), reason="the CPU build of onnxruntime only")
-def test_cuda_on_the_cpu_build_falls_back_with_one_line_naming_the_cause(
+def test_cuda_on_the_cpu_build_falls_back_with_one_info_line_naming_the_cause(
         tiny_model_repository: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="service.runtime"):
+    with caplog.at_level(logging.INFO, logger="service.runtime"):
         runtime = ModelRuntime.load(tiny_model_repository, [CUDA, CPU], threads=1)
     assert runtime.provider == CPU
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1
-    assert "CUDAExecutionProvider unavailable" in warnings[0] and "CPU build" in warnings[0]
-    assert "pip install 'attnserve[gpu]'" in warnings[0]
+    lines = [r.getMessage() for r in caplog.records if "CUDAExecutionProvider" in r.getMessage()]
+    assert len(lines) == 1
+    assert "CUDAExecutionProvider unavailable" in lines[0] and "CPU build" in lines[0]
+    assert "pip install 'attnserve[gpu]'" in lines[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # expected on a CPU machine
 
 
 def test_a_cuda_provider_library_that_cannot_load_is_named(
