@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test lint gpu-check test-slow test-newcomer deploy-test bench soak venv-serve venv-dev venv-bench
+.PHONY: serve test lint gpu-check gpu-wheels test-slow test-newcomer deploy-test bench soak venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,22 @@ lint: venv-dev
 # with bench/GPU_OFFLINE.md), no virtualenv.
 gpu-check: $(if $(filter 1,$(OFFLINE)),,venv-dev)
 	$(if $(filter 1,$(OFFLINE)),python3,$(BIN)/python) -m bench.gpu_check --out bench/results/gpu
+
+# What a GPU host without network lacks for `make gpu-check OFFLINE=1` (CPython 3.12, x86-64), in
+# $(WHEELS): onnxruntime-gpu in parts of PART_MB MiB, the serving stack, attnserve's own wheel.
+# bench/GPU_OFFLINE.md is the procedure.
+WHEELS  ?= .whl
+ORT_GPU ?= onnxruntime-gpu==1.31.1
+PART_MB ?= 50
+PLATFORMS = --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+gpu-wheels: venv-dev
+	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
+	$(BIN)/pip download -q --only-binary=:all: --python-version 3.12 --implementation cp $(PLATFORMS) \
+		-d $(WHEELS) '$(ORT_GPU)' fastapi 'uvicorn[standard]' pydantic pydantic-settings \
+		prometheus-client sentencepiece
+	$(BIN)/python -m build -q --wheel --outdir $(WHEELS) .
+	$(BIN)/python bench/gpu_offline.py split $(WHEELS)/onnxruntime_gpu-*.whl --max-mb $(PART_MB) --remove
 
 # A fresh clone of HEAD: `make serve` there, every README example against it, the wheel.
 test-newcomer: venv-dev

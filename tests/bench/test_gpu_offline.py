@@ -1,0 +1,80 @@
+"""Moving wheels to an offline GPU host: checksummed parts, and installing the missing ones."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_offline
+
+
+def _file(path: Path, size: int) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def test_split_and_join_give_back_the_same_bytes(tmp_path: Path) -> None:
+    original = _file(tmp_path / "big.whl", 5 * (1 << 20) + 123)
+    manifest = gpu_offline.split(original, 2, tmp_path / "parts")
+    recorded = json.loads(manifest.read_text())
+    assert [p["size"] for p in recorded["parts"]] == [2 << 20, 2 << 20, (1 << 20) + 123]
+    assert recorded["sha256"] == hashlib.sha256(original.read_bytes()).hexdigest()
+    joined = gpu_offline.join(manifest, tmp_path / "out")
+    assert joined.read_bytes() == original.read_bytes()
+
+
+def test_a_missing_or_altered_part_is_refused(tmp_path: Path) -> None:
+    manifest = gpu_offline.split(_file(tmp_path / "x.whl", 3000), 0.001, tmp_path / "parts")
+    parts = sorted((tmp_path / "parts").glob("x.whl.part*"))
+    data = bytearray(parts[1].read_bytes())
+    data[0] ^= 1
+    parts[1].write_bytes(bytes(data))
+    with pytest.raises(gpu_offline.PartError, match="x.whl.part001: its bytes differ"):
+        gpu_offline.join(manifest, tmp_path / "out")
+    data[0] ^= 1  # the part restored, the next one gone
+    parts[1].write_bytes(bytes(data))
+    parts[2].unlink()
+    with pytest.raises(gpu_offline.PartError, match="x.whl.part002: missing"):
+        gpu_offline.join(manifest, tmp_path / "out")
+    assert not (tmp_path / "out" / "x.whl").exists()
+
+
+def _wheel(folder: Path, name: str) -> Path:
+    """A minimal pure-Python wheel of package `name` (module `name` with VALUE = 42)."""
+    dist = f"{name}-1.0.dist-info"
+    files = {f"{name}/__init__.py": b"VALUE = 42\n",
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                     f"{len(data)}\n" for path, data in files.items()) + f"{dist}/RECORD,,\n"
+    path = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for file, data in {**files, f"{dist}/RECORD": record.encode()}.items():
+            wheel.writestr(file, data)
+    return path
+
+
+def test_install_joins_split_wheels_and_installs_what_the_host_lacks(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    split_one = _wheel(wheels, "offline_probe_a")
+    gpu_offline.split(split_one, 0.0005, wheels)
+    split_one.unlink()
+    _wheel(wheels, "offline_probe_b")
+    _wheel(wheels, "pytest")  # the host has it: left to the host's own
+    target = tmp_path / "site"
+    done = gpu_offline.install(wheels, target)
+    assert sorted(w.name for w in done) == ["offline_probe_a-1.0-py3-none-any.whl", "offline_probe_b-1.0-py3-none-any.whl"]
+    probe = "import offline_probe_a, offline_probe_b; print(offline_probe_a.VALUE + offline_probe_b.VALUE)"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(target)},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "84"
+    assert not (target / "pytest").exists()
