@@ -144,8 +144,9 @@ def test_a_body_that_stalls_gets_408_and_the_connection_closed(
 
 def test_connections_over_the_cap_get_503_and_the_others_are_served(server: Any) -> None:
     before = refused("too_many_connections")
+    open_before = open_connections()
     with server(max_connections=3) as address:
-        open_before = open_connections()
+        poll(lambda: open_connections() <= open_before)  # the readiness checks' connections closed
         idle = [socket.create_connection(address) for _ in range(3)]
         try:
             poll(lambda: open_connections() >= open_before + 3)  # the gauge counts them
