@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from service.batching.batcher import Batcher, BatchLimits, GenerateFn
+from service.batching.batcher import Batcher, GenerateFn
 from service.batching.in_flight import InFlightBatch
+from service.batching.policy import BatchLimits
 from service.batching.pool import BatcherPool
 from service.errors import ModelNotFound, NotReady
 from service.observability import metrics

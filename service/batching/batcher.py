@@ -1,43 +1,28 @@
-"""Dynamic batching for one model: a bounded queue, one future per row, a worker thread.
+"""Dynamic batching for one model: admission, batch formation and the worker thread.
 
-Requests are admitted row by row (one row per text) into a bounded queue, or refused whole
-with `Overloaded` (429). A loop on the event loop takes the oldest row and waits at most
-`max_wait_s` for compatible rows (same beam size and token limit) to join it, up to
-`max_batch_size` rows and `max_batch_tokens` padded source tokens (times the beams). The batch
-is sorted by source length and generated in the model's own single worker thread, so the
+Requests are admitted row by row (one row per text) into the bounded `AdmissionQueue`, or
+refused whole. A loop on the event loop takes the oldest row and forms its batch by the rules of
+`service.batching.policy`: a request-level batch waits at most `max_wait_s` for rows of the same
+key, is sorted by source length and generated in the model's own single worker thread, so the
 event loop never blocks. If generation raises, every row of that batch fails with
-`InternalError` and the loop goes on with the next batch. A row may carry a deadline
-(`perf_counter` seconds): one still queued when it passes fails with `DeadlineExceeded`
-without reaching the model. Other work on the model (attention
-maps) runs in the same worker thread between batches, through `run`.
+`InternalError` and the loop goes on. Other work on the model (attention maps) runs in the
+same worker thread between batches, through `run`.
 
-Continuous batching (given a `running_batch` factory, `service.batching.running_batch.RunningBatch`):
-greedy rows do not wait for a batch to end. They join the running batch between two decoder
-steps (up to `max_batch_size` rows and `max_batch_tokens` padded source tokens in it) and leave
-it, their futures resolved, as soon as they finish. A join costs an encoder call and (unless
-the newcomers fit in the slots of rows that left) a copy of the batch's state, so rows join in
-groups of a quarter of the running batch (at most `join_rows`, a quarter of `max_batch_size`;
-at once into a batch of fewer than 4 rows), or
-when the oldest has waited `max_join_wait_s` -- unless more rows wait than fit: then they wait
-for room for a whole group. With `max_join_age`, rows wait while the batch's oldest row has run
-more than `join_age_limit` steps: every row's cache is as long as the oldest row's output, so a
-join into an old batch makes every step longer, and under load a shorter cache saves more than a
-fuller batch gains. The limit is `max_join_age` for a batch of `join_rows` rows and scales
-inversely with the rows, so a small batch (light load) still takes newcomers at once. It
-applies only to a running batch that pads (`pads_to_oldest`): on the step graph
-(`service.batching.slot_batch.SlotBatch`) each row's cache is its own. The
-worker thread steps the running batch until something new arrives (a row, a `run` call, shutdown) or that wait runs out, then the loop decides. A new
-running batch starts at once: later rows join it. Beam-search rows still form request-level batches, run
-between two steps of the running batch when they are the oldest queued rows.
+Continuous batching (given a `running_batch` factory, an `InFlightBatch`): greedy rows join the
+running batch between two decoder steps, when `policy.joiners` lets them, and leave it, their
+futures resolved, as soon as they finish. The `Stepper` steps the running batch in the worker
+thread until something new arrives (a row, a `run` call, shutdown) or a join falls due, then
+the loop decides. Beam-search rows form request-level batches, run between two steps of the
+running batch when they are the oldest queued rows.
 
 Every row carries `RowHooks`, and the generation function is called with them (`hooks=`, one
-per row): it drops a row from the batch at the next decoder step once its `cancel` is set
-(greedy rows leave the running or request-level batch; a beam-search row stops its search), and
-calls `on_token` (in the worker thread) for each token of a streamed row as it is decoded.
-`cancel(future)` cancels a row wherever it is: a queued row leaves the queue, a running row is
-flagged; both are counted in `cancelled_rows_total{stage}`. A request whose wait ends early --
-its deadline passed, its client left, another of its rows failed -- cancels its rows that way
-(`submit`), so no abandoned row costs more than the step it was in.
+per row): a row whose `cancel` is set leaves its batch at the next decoder step (a beam-search
+row stops its search), and `on_token` is called in the worker thread for each token of a
+streamed row. `cancel(future)` cancels a row wherever it is, counted in
+`cancelled_rows_total{stage}`. A request whose wait ends early (its deadline passed, its client
+left, another of its rows failed) cancels its rows that way (`submit`), so no abandoned row
+costs more than the step it was in. `close` drains: it stops admitting and lets queued and
+running rows finish, up to a timeout.
 """
 
 from __future__ import annotations
@@ -45,16 +30,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from service.batching import policy
+from service.batching.admission import AdmissionQueue, QueuedRow
 from service.batching.in_flight import InFlightBatch
-from service.errors import DeadlineExceeded, InternalError, NotReady, Overloaded
+from service.batching.policy import BatchLimits, RowKey
+from service.batching.stepper import Stepper
+from service.errors import InternalError, NotReady
 from service.generation.hooks import RowHooks
 from service.observability import metrics
 
@@ -78,27 +65,6 @@ class Generated(Protocol):
 GenerateFn = Callable[..., Sequence[Generated]]
 
 
-def join_age_limit(max_join_age: int, join_rows: int, rows: int) -> int:
-    """The most decoder steps a running batch of `rows` rows may have run (its oldest row) and
-    still take newcomers: `max_join_age` at `join_rows` rows, scaled inversely with the rows, so
-    that rows x age -- the cached positions each step carries -- stays within the same budget
-    (with the defaults, 24 x 16: age 96 at 4 rows, 24 at 16, 6 at 64)."""
-    return max_join_age * join_rows // max(rows, 1)
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    """How large a batch may grow, how long it waits to fill, how many rows may queue."""
-
-    max_batch_size: int = 32
-    max_batch_tokens: int = 8192
-    max_wait_s: float = 0.005
-    max_join_wait_s: float = 0.1  # continuous batching: longest wait to join in a group
-    max_join_age: int = 0  # continuous batching: the join age limit of a batch of `join_rows` rows (0: any)
-    max_queue_size: int = 256
-    retry_after_s: int = 1
-
-
 @dataclass
 class BatchCounters:
     """What the batcher has run since it started."""
@@ -109,54 +75,28 @@ class BatchCounters:
     cancelled: int = 0
 
 
-@dataclass(frozen=True)
-class _Key:
-    """Rows batch together only when they share these generation options."""
-
-    beam_size: int
-    max_new_tokens: int
-
-
-@dataclass(eq=False)
-class _Row:
-    """One queued source and the future its request awaits."""
-
-    source: list[int]
-    key: _Key
-    future: asyncio.Future[Generated]
-    hooks: RowHooks = field(default_factory=RowHooks)
-    enqueued_at: float = field(default_factory=time.perf_counter)
-    deadline: float | None = None  # perf_counter seconds
-    started_at: float = 0.0  # when it joined a batch
-
-
 class Batcher:
     """Groups concurrent rows of one model into batches and runs them in a worker thread."""
 
     def __init__(self, model: str, generate_fn: GenerateFn, limits: BatchLimits,
-                 running_batch: Callable[[], InFlightBatch[Any]] | None = None,
+                 running_batch: Callable[[], InFlightBatch[QueuedRow]] | None = None,
                  thread_name: str | None = None) -> None:
         self.model = model
         self.limits = limits
         self.counters = BatchCounters()
         self._generate = generate_fn
-        # continuous batching of greedy rows; touched only in the worker thread while it steps
-        self._batch = running_batch() if running_batch is not None else None
-        self._interrupt = threading.Event()  # tells the worker to hand back between two steps
-        self._inbox: list[_Row] = []  # rows admitted to the running batch, not yet added by the worker
-        self._inbox_lock = threading.Lock()
-        self._stepping: asyncio.Future[None] | None = None  # the worker stepping the running batch
-        self._queue: deque[_Row] = deque()
-        self._running: list[_Row] = []  # the request-level batch now generating
-        self._decoding: list[_Row] = []  # the rows of the running batch (continuous batching)
+        self._queue = AdmissionQueue(model, limits, self._publish_depth)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name or f"batch-{model}")
+        # continuous batching of greedy rows
+        self._stepper = Stepper(model, running_batch(), self._executor) if running_batch is not None else None
+        self._running: list[QueuedRow] = []  # the request-level batch now generating
+        self._decoding: list[QueuedRow] = []  # the rows of the running batch (continuous batching)
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._accepting = True
         self._jobs = 0  # calls of `run` admitted and not finished
         self._jobs_done = asyncio.Event()
         self._jobs_done.set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name or f"batch-{model}")
         self._task: asyncio.Task[None] | None = None
         # publishes `queue_depth` when the queue changes; a `BatcherPool` sets it to publish
         # the sum over the model's batchers
@@ -181,7 +121,12 @@ class Batcher:
     @property
     def continuous(self) -> bool:
         """Whether greedy rows join a running batch between decoder steps."""
-        return self._batch is not None
+        return self._stepper is not None
+
+    @property
+    def join_rows(self) -> int:
+        """The largest group rows join the running batch in (a quarter of `max_batch_size`)."""
+        return self.limits.join_rows
 
     @property
     def running(self) -> int:
@@ -236,25 +181,17 @@ class Batcher:
         `hooks`, one per source, make rows streamed (`RowHooks`); a row without gets its own
         (its cancel flag).
         """
-        if not self._accepting:
-            metrics.REJECTED_TOTAL.labels(self.model, "draining").inc()
-            raise NotReady("the server is shutting down")
-        if len(self._queue) + len(sources) > self.limits.max_queue_size:
-            metrics.REJECTED_TOTAL.labels(self.model, "queue_full").inc()
-            raise Overloaded(
-                f"the queue of model {self.model!r} is full", self.limits.retry_after_s
-            )
+        self._queue.check_room(len(sources))
         loop = asyncio.get_running_loop()
-        key = _Key(beam_size, max_new_tokens)
+        key = RowKey(beam_size, max_new_tokens)
         given = list(hooks) if hooks is not None else [None] * len(sources)
         if len(given) != len(sources):
             raise ValueError(f"{len(given)} hooks for {len(sources)} sources")
         rows = [
-            _Row(list(source), key, loop.create_future(), hook or RowHooks(), deadline=deadline)
+            QueuedRow(list(source), key, loop.create_future(), hook or RowHooks(), deadline=deadline)
             for source, hook in zip(sources, given, strict=True)
         ]
-        self._queue.extend(rows)
-        self._publish_depth()
+        self._queue.admit(rows)
         self._idle.clear()
         self._arrived.set()
         return [row.future for row in rows]
@@ -269,12 +206,8 @@ class Batcher:
         if future.done():
             return None
         stage: str | None = None
-        for row in self._queue:
-            if row.future is future:
-                self._queue.remove(row)
-                self._publish_depth()
-                stage = "queued"
-                break
+        if self._queue.cancel(future):
+            stage = "queued"
         else:
             for row in [*self._running, *self._decoding]:
                 if row.future is future:
@@ -293,17 +226,11 @@ class Batcher:
         Admitted like rows: `NotReady` while draining, `Overloaded` when the queue and the
         calls waiting fill `max_queue_size`; `InternalError` when `fn` raises (logged).
         """
-        if not self._accepting:
-            metrics.REJECTED_TOTAL.labels(self.model, "draining").inc()
-            raise NotReady("the server is shutting down")
-        if len(self._queue) + self._jobs + 1 > self.limits.max_queue_size:
-            metrics.REJECTED_TOTAL.labels(self.model, "queue_full").inc()
-            raise Overloaded(
-                f"the queue of model {self.model!r} is full", self.limits.retry_after_s
-            )
+        self._queue.check_room(1, reserved=self._jobs)
         self._jobs += 1
         self._jobs_done.clear()
-        self._interrupt.set()  # the running batch hands the worker over between two steps
+        if self._stepper is not None:
+            self._stepper.interrupt()  # the running batch hands the worker over between two steps
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         except Exception as error:
@@ -316,10 +243,11 @@ class Batcher:
                 self._jobs_done.set()
 
     async def close(self, timeout_s: float) -> None:
-        """Stop admitting, let queued and running rows finish (up to `timeout_s`), stop."""
-        self._accepting = False
+        """Drain: stop admitting, let queued and running rows finish (up to `timeout_s`), stop."""
+        self._queue.accepting = False
         self._arrived.set()
-        self._interrupt.set()
+        if self._stepper is not None:
+            self._stepper.interrupt()
         try:
             await asyncio.wait_for(
                 asyncio.gather(self._idle.wait(), self._jobs_done.wait()), timeout_s
@@ -333,42 +261,55 @@ class Batcher:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for row in [*self._running, *self._decoding, *self._queue]:  # left when draining timed out
+        for row in [*self._running, *self._decoding, *self._queue.clear()]:  # left when draining timed out
             if not row.future.done():
                 row.future.set_exception(NotReady("the server is shutting down"))
-        self._queue.clear()
-        self._publish_depth()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _loop(self) -> None:
         """Form batches forever: wait for a row, let the batch fill, run it; or admit rows to
         the running batch and keep the worker stepping it."""
         while True:
-            self._expire()
-            self._drop_cancelled_head()
-            stepping = self._stepping is not None and not self._stepping.done()
-            if not self._queue and not self._decoding and not stepping:
+            self._queue.expire(time.perf_counter())
+            self._queue.drop_done_head()
+            stepping = self._stepper is not None and self._stepper.stepping
+            head = self._queue.head
+            if head is None and not self._decoding and not stepping:
                 self._idle.set()
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
-            head = self._queue[0] if self._queue else None
             if head is not None and not self._joins_running_batch(head):
                 if stepping:  # pause the running batch between two steps
-                    self._interrupt.set()
+                    assert self._stepper is not None
+                    self._stepper.interrupt()
                     await self._stop_stepping()
                 await self._fill_and_run(head, wait=not self._decoding)
                 continue
-            self._admit(self._take_joiners())
+            assert self._stepper is not None
+            self._admit(policy.joiners(self._queue, self._running_state(), self.limits, time.perf_counter()))
             if self._decoding and not stepping:
-                self._start_stepping()
+                self._stepper.start(self._finish)
             await self._wait_for_news()
 
-    async def _fill_and_run(self, head: _Row, wait: bool = True) -> None:
+    def _joins_running_batch(self, row: QueuedRow) -> bool:
+        return self._stepper is not None and row.key.joins_running_batch
+
+    def _running_state(self) -> policy.RunningState:
+        assert self._stepper is not None
+        batch = self._stepper.batch
+        return policy.RunningState(
+            rows=len(self._decoding),
+            longest=max((len(row.source) for row in self._decoding), default=0),
+            oldest_age=batch.oldest_age if self._decoding else 0,
+            pads_to_oldest=batch.pads_to_oldest,
+        )
+
+    async def _fill_and_run(self, head: QueuedRow, wait: bool = True) -> None:
         """A request-level batch: wait up to `max_wait_s` for rows of `head`'s key (not while
         a running batch is paused for it), run it."""
         flush_at = head.enqueued_at + self.limits.max_wait_s
-        while wait and self._accepting and not self._select(head.key)[1]:
+        while wait and self._queue.accepting and not policy.request_batch(self._queue, head.key, self.limits)[1]:
             remaining = flush_at - time.perf_counter()
             if remaining <= 0:
                 break
@@ -377,90 +318,18 @@ class Batcher:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
                 break
-        self._expire()
-        rows = self._take(head.key)
+        self._queue.expire(time.perf_counter())
+        rows, _ = policy.request_batch(self._queue, head.key, self.limits)
+        self._queue.take(rows)
         if rows:
             await self._run(rows)
 
-    def _expire(self) -> None:
-        """Fail the queued rows whose deadline has passed (they never reach the model)."""
-        now = time.perf_counter()
-        for row in self._queue:
-            if row.deadline is not None and now >= row.deadline and not row.future.done():
-                row.future.set_exception(
-                    DeadlineExceeded("the deadline passed while the request was queued")
-                )
-
-    def _drop_cancelled_head(self) -> None:
-        while self._queue and self._queue[0].future.done():
-            self._queue.popleft()
-        self._publish_depth()
-
-    def _select(self, key: _Key) -> tuple[list[_Row], bool]:
-        """The rows the next batch of `key` would take, oldest first, and whether it is full."""
-        chosen: list[_Row] = []
-        longest = 0
-        for row in self._queue:
-            if row.key != key or row.future.done():
-                continue
-            if len(chosen) == self.limits.max_batch_size:
-                return chosen, True
-            width = max(longest, len(row.source))
-            tokens = (len(chosen) + 1) * width * key.beam_size
-            if chosen and tokens > self.limits.max_batch_tokens:
-                return chosen, True
-            chosen.append(row)
-            longest = width
-        return chosen, len(chosen) == self.limits.max_batch_size
-
-    def _joins_running_batch(self, row: _Row) -> bool:
-        return self._batch is not None and row.key.beam_size == 1
-
-    @property
-    def join_rows(self) -> int:
-        """The largest group rows join the running batch in (a quarter of `max_batch_size`)."""
-        return max(1, self.limits.max_batch_size // 4)
-
-    def _take_joiners(self) -> list[_Row]:
-        """Remove from the queue the greedy rows that fit in the running batch, oldest first,
-        when they may join now (see the module's docstring); else none."""
-        assert self._batch is not None
-        if (self.limits.max_join_age and self._batch.pads_to_oldest and self._decoding
-                and self._batch.oldest_age > join_age_limit(self.limits.max_join_age, self.join_rows,
-                                                            len(self._decoding))):
-            return []  # the newcomers' cache would be padded to the old row's length: wait
-        room = self.limits.max_batch_size - len(self._decoding)
-        longest = max((len(row.source) for row in self._decoding), default=0)
-        rows = len(self._decoding)
-        chosen: list[_Row] = []
-        left_behind = False  # a greedy row waits that the room or the token budget kept out
-        for row in self._queue:
-            if row.future.done() or not self._joins_running_batch(row):
-                continue
-            width = max(longest, len(row.source))
-            if len(chosen) == room or (rows and (rows + 1) * width > self.limits.max_batch_tokens):
-                left_behind = True
-                break
-            chosen.append(row)
-            rows, longest = rows + 1, width
-        waited = time.perf_counter() - chosen[0].enqueued_at if chosen else 0.0
-        group = min(self.join_rows, len(self._decoding) // 4)  # 0 when the batch is (nearly) empty
-        # A small group waits for companions, up to max_join_wait_s; behind a backlog it waits
-        # for room instead (joining a few rows per finished row would copy the batch per row).
-        if chosen and len(chosen) < group and (left_behind or waited < self.limits.max_join_wait_s):
-            return []  # let a group form
-        if chosen:
-            taken = set(map(id, chosen))
-            self._queue = deque(
-                row for row in self._queue if id(row) not in taken and not row.future.done()
-            )
-            self._publish_depth()
-        return chosen
-
-    def _admit(self, joiners: list[_Row]) -> None:
+    def _admit(self, joiners: list[QueuedRow]) -> None:
         """Hand `joiners` to the worker: it adds them to the running batch before its next step."""
         if not joiners:
             return
+        assert self._stepper is not None
+        self._queue.take(joiners)
         started = time.perf_counter()
         for row in joiners:
             row.started_at = started
@@ -469,29 +338,16 @@ class Batcher:
         self.counters.rows += len(joiners)
         self._decoding.extend(joiners)
         self.counters.max_batch_rows = max(self.counters.max_batch_rows, len(self._decoding))
-        with self._inbox_lock:
-            self._inbox.extend(joiners)
-
-    def _start_stepping(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._interrupt.clear()
-        self._stepping = asyncio.ensure_future(
-            loop.run_in_executor(self._executor, self._step_until_interrupted, loop))
+        self._stepper.hand_over(joiners)
 
     async def _stop_stepping(self) -> None:
         """Wait for the worker to hand back; fail every row of the running batch if it raised."""
-        if self._stepping is None:
-            return
-        stepping, self._stepping = self._stepping, None
+        assert self._stepper is not None
         try:
-            await stepping
+            await self._stepper.stop()
         except Exception:
             logger.exception("model %s: the running batch of %d rows failed", self.model,
                              len(self._decoding))
-            assert self._batch is not None
-            self._batch.filter(())  # the worker is done with it: safe here
-            with self._inbox_lock:
-                self._inbox.clear()
             failed, self._decoding = self._decoding, []
             for row in failed:
                 if not row.future.done():
@@ -500,43 +356,21 @@ class Batcher:
     async def _wait_for_news(self) -> None:
         """Sleep until a row arrives, a row finishes, the worker hands back, or the oldest
         greedy row waiting for a group may join."""
-        timeout = None
-        if len(self._decoding) < self.limits.max_batch_size:
-            oldest = next((r for r in self._queue if self._joins_running_batch(r)
-                           and not r.future.done()), None)
-            join_at = oldest.enqueued_at + self.limits.max_join_wait_s if oldest else 0.0
-            if join_at > time.perf_counter():  # past it, it waits for room: a finish wakes us
-                timeout = join_at - time.perf_counter()
+        assert self._stepper is not None
+        timeout = policy.join_due(self._queue, self._running_state(), self.limits, time.perf_counter())
         self._arrived.clear()
         arrived = asyncio.ensure_future(self._arrived.wait())
         waiting: set[asyncio.Future[Any]] = {arrived}
-        if self._stepping is not None:
-            waiting.add(self._stepping)
+        if self._stepper.future is not None:
+            waiting.add(self._stepper.future)
         try:
             await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             arrived.cancel()
-        if self._stepping is not None and self._stepping.done():
+        if self._stepper.future is not None and self._stepper.future.done():
             await self._stop_stepping()
 
-    def _step_until_interrupted(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Worker thread: add the rows handed over, step; until interrupted or empty."""
-        batch = self._batch
-        assert batch is not None
-        while True:
-            with self._inbox_lock:
-                joiners, self._inbox = self._inbox, []
-            if joiners:
-                batch.concatenate([row.source for row in joiners], joiners,
-                                  [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners])
-                metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
-            if not len(batch) or self._interrupt.is_set():
-                return
-            finished = batch.generate_token()
-            if finished:
-                loop.call_soon_threadsafe(self._finish, list(finished), time.perf_counter())
-
-    def _finish(self, finished: Sequence[tuple[_Row, Generated]], now: float) -> None:
+    def _finish(self, finished: Sequence[tuple[QueuedRow, Generated]], now: float) -> None:
         """Event loop: resolve the futures of rows that left the running batch."""
         done = set(map(id, (row for row, _ in finished)))
         self._decoding = [row for row in self._decoding if id(row) not in done]
@@ -546,17 +380,7 @@ class Batcher:
                 row.future.set_result(result)
         self._arrived.set()  # room in the running batch: the loop may admit waiting rows
 
-    def _take(self, key: _Key) -> list[_Row]:
-        """Remove the next batch of `key` from the queue (and rows cancelled meanwhile)."""
-        chosen, _ = self._select(key)
-        taken = set(map(id, chosen))
-        self._queue = deque(
-            row for row in self._queue if id(row) not in taken and not row.future.done()
-        )
-        self._publish_depth()
-        return chosen
-
-    async def _run(self, rows: list[_Row]) -> None:
+    async def _run(self, rows: list[QueuedRow]) -> None:
         """Generate one batch in the worker thread and resolve its rows' futures."""
         started = time.perf_counter()
         key = rows[0].key
@@ -591,7 +415,7 @@ class Batcher:
             if not row.future.done():
                 row.future.set_result(result)
 
-    def _observe(self, row: _Row, result: Generated, elapsed: float) -> None:
+    def _observe(self, row: QueuedRow, result: Generated, elapsed: float) -> None:
         generated = len(result.tokens)
         metrics.INFERENCE_DURATION_SECONDS.labels(self.model).observe(elapsed)
         metrics.INPUT_TOKENS_TOTAL.labels(self.model).inc(len(row.source))

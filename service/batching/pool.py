@@ -25,7 +25,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from service.batching.batcher import BatchCounters, Batcher, BatchLimits, Generated
+from service.batching.batcher import BatchCounters, Batcher, Generated
+from service.batching.policy import BatchLimits
 from service.generation.hooks import RowHooks
 from service.observability import metrics
 

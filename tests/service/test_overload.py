@@ -112,7 +112,8 @@ async def test_a_request_queued_past_its_deadline_gets_504_and_never_runs(
 
 
 async def test_the_batcher_fails_rows_still_queued_at_their_deadline() -> None:
-    from service.batching.batcher import Batcher, BatchLimits
+    from service.batching.batcher import Batcher
+    from service.batching.policy import BatchLimits
     from service.errors import DeadlineExceeded
     from tests.service.fakes import CharTokenizer
 
@@ -196,7 +197,8 @@ async def test_a_queued_request_whose_client_left_is_dropped_and_counted(
 
 @pytest.mark.parametrize("error", [MemoryError, RuntimeError])
 async def test_an_exception_in_one_batch_fails_only_that_batch(error: type[Exception]) -> None:
-    from service.batching.batcher import Batcher, BatchLimits
+    from service.batching.batcher import Batcher
+    from service.batching.policy import BatchLimits
     from service.errors import InternalError
     from tests.service.fakes import CharTokenizer, reverse
 

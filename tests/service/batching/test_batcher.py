@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from service.batching.batcher import Batcher, BatchLimits
+from service.batching.batcher import Batcher
+from service.batching.policy import BatchLimits
 from service.errors import InternalError, NotReady, Overloaded
 from service.generation.hooks import RowHooks
 from service.observability import metrics

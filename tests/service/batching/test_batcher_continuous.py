@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from service.batching.batcher import Batcher, BatchLimits, join_age_limit
+from service.batching.batcher import Batcher
+from service.batching.policy import BatchLimits, join_age_limit
 from service.batching.running_batch import RunningBatch
 from service.batching.slot_batch import SlotBatch
 from service.errors import InternalError

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from service.batching.batcher import Batcher, BatchLimits
+from service.batching.batcher import Batcher
+from service.batching.policy import BatchLimits
 from service.batching.pool import BatcherPool
 from service.errors import Overloaded
 from service.generation.hooks import RowHooks

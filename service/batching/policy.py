@@ -1,0 +1,151 @@
+"""Which queued rows form the next batch: pure functions of the queue and the running batch.
+
+Request-level batches (`request_batch`): the oldest rows sharing the head's `RowKey` (beam
+size, token limit), up to `max_batch_size` rows and `max_batch_tokens` padded source tokens
+times the beams.
+
+Joins into the running batch (`joiners`, greedy rows only): up to `max_batch_size` rows and
+`max_batch_tokens` padded source tokens in the batch. A join costs an encoder call and (unless
+the newcomers fit in the slots of rows that left) a copy of the batch's state, so rows join in
+groups of a quarter of the running batch (at most `join_rows`, a quarter of `max_batch_size`;
+at once into a batch of fewer than 4 rows), or when the oldest has waited `max_join_wait_s`,
+unless more rows wait than fit: then they wait for room for a whole group.
+
+With `max_join_age`, rows wait while the batch's oldest row has run more than
+`join_age_limit` steps: every row's cache is as long as the oldest row's output, so a join into
+an old batch makes every step longer. The limit applies only to a batch that pads to its oldest
+row (`RunningState.pads_to_oldest`); on the step graph each row's cache is its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """How large a batch may grow, how long it waits to fill, how many rows may queue."""
+
+    max_batch_size: int = 32
+    max_batch_tokens: int = 8192
+    max_wait_s: float = 0.005
+    max_join_wait_s: float = 0.1  # continuous batching: longest wait to join in a group
+    max_join_age: int = 0  # continuous batching: the join age limit of a batch of `join_rows` rows (0: any)
+    max_queue_size: int = 256
+    retry_after_s: int = 1
+
+    @property
+    def join_rows(self) -> int:
+        """The largest group rows join the running batch in (a quarter of `max_batch_size`)."""
+        return max(1, self.max_batch_size // 4)
+
+
+@dataclass(frozen=True)
+class RowKey:
+    """Rows batch together only when they share these generation options."""
+
+    beam_size: int
+    max_new_tokens: int
+
+    @property
+    def joins_running_batch(self) -> bool:
+        """Greedy rows join the running batch; beam-search rows form request-level batches."""
+        return self.beam_size == 1
+
+
+class Candidate(Protocol):
+    """What the policy reads of a queued row."""
+
+    @property
+    def source(self) -> list[int]: ...
+    @property
+    def key(self) -> RowKey: ...
+    @property
+    def enqueued_at(self) -> float: ...
+    @property
+    def done(self) -> bool: ...
+
+
+Row = TypeVar("Row", bound=Candidate)
+
+
+@dataclass(frozen=True)
+class RunningState:
+    """The running batch as the join policy sees it."""
+
+    rows: int = 0
+    longest: int = 0  # longest source among its rows
+    oldest_age: int = 0  # steps its oldest row has run
+    pads_to_oldest: bool = False
+
+
+def join_age_limit(max_join_age: int, join_rows: int, rows: int) -> int:
+    """The most decoder steps a running batch of `rows` rows may have run (its oldest row) and
+    still take newcomers: `max_join_age` at `join_rows` rows, scaled inversely with the rows, so
+    that rows x age -- the cached positions each step carries -- stays within the same budget
+    (with the defaults, 24 x 16: age 96 at 4 rows, 24 at 16, 6 at 64)."""
+    return max_join_age * join_rows // max(rows, 1)
+
+
+def request_batch(queue: Iterable[Row], key: RowKey, limits: BatchLimits) -> tuple[list[Row], bool]:
+    """The rows the next request-level batch of `key` would take, oldest first, and whether it
+    is full (no further row could join it)."""
+    chosen: list[Row] = []
+    longest = 0
+    for row in queue:
+        if row.key != key or row.done:
+            continue
+        if len(chosen) == limits.max_batch_size:
+            return chosen, True
+        width = max(longest, len(row.source))
+        if chosen and (len(chosen) + 1) * width * key.beam_size > limits.max_batch_tokens:
+            return chosen, True
+        chosen.append(row)
+        longest = width
+    return chosen, len(chosen) == limits.max_batch_size
+
+
+def joiners(queue: Iterable[Row], running: RunningState, limits: BatchLimits, now: float) -> list[Row]:
+    """The greedy rows that join the running batch now, oldest first; none while they should
+    wait (a group forming, the batch too old, no room for a whole group)."""
+    if (limits.max_join_age and running.pads_to_oldest and running.rows
+            and running.oldest_age > join_age_limit(limits.max_join_age, limits.join_rows, running.rows)):
+        return []
+    room = limits.max_batch_size - running.rows
+    rows, longest = running.rows, running.longest
+    chosen: list[Row] = []
+    left_behind = False  # a greedy row waits that the room or the token budget kept out
+    for row in queue:
+        if row.done or not row.key.joins_running_batch:
+            continue
+        width = max(longest, len(row.source))
+        if len(chosen) == room or (rows and (rows + 1) * width > limits.max_batch_tokens):
+            left_behind = True
+            break
+        chosen.append(row)
+        rows, longest = rows + 1, width
+    if not chosen:
+        return []
+    group = min(limits.join_rows, running.rows // 4)  # 0 when the batch is (nearly) empty
+    waited = now - chosen[0].enqueued_at
+    # behind a backlog a small group waits for room: joining a few rows per finished row would
+    # copy the batch per row
+    if len(chosen) < group and (left_behind or waited < limits.max_join_wait_s):
+        return []
+    return chosen
+
+
+def join_due(queue: Iterable[Row], running: RunningState, limits: BatchLimits,
+             now: float) -> float | None:
+    """Seconds until the oldest waiting greedy row may join without a group, when that is
+    ahead and the batch has room; None otherwise (a finishing row or an arrival wakes the
+    scheduler then)."""
+    if running.rows >= limits.max_batch_size:
+        return None
+    oldest = next((row for row in queue if row.key.joins_running_batch and not row.done), None)
+    if oldest is None:
+        return None
+    due = oldest.enqueued_at + limits.max_join_wait_s - now
+    return due if due > 0 else None

@@ -1,0 +1,102 @@
+"""The batch formation rules, on plain rows: no event loop, no model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from service.batching.policy import (
+    BatchLimits,
+    RowKey,
+    RunningState,
+    join_age_limit,
+    join_due,
+    joiners,
+    request_batch,
+)
+
+GREEDY = RowKey(beam_size=1, max_new_tokens=16)
+BEAM = RowKey(beam_size=4, max_new_tokens=16)
+
+
+@dataclass
+class Row:
+    source: list[int]
+    key: RowKey = GREEDY
+    enqueued_at: float = 0.0
+    done: bool = False
+
+
+def rows(*lengths: int, key: RowKey = GREEDY, at: float = 0.0) -> list[Row]:
+    return [Row([1] * n, key, at) for n in lengths]
+
+
+def test_request_batch_takes_the_oldest_rows_of_the_key_up_to_the_size() -> None:
+    queue = [*rows(3, key=BEAM), *rows(2), *rows(4, 5, 6, key=BEAM)]
+    chosen, full = request_batch(queue, BEAM, BatchLimits(max_batch_size=3))
+    assert chosen == [queue[0], queue[2], queue[3]] and full
+
+
+def test_request_batch_stops_at_the_padded_token_budget_times_beams() -> None:
+    queue = rows(2, 2, 10, key=BEAM)
+    # 2 rows x 2 tokens x 4 beams = 16 fit; a third row pads all to 10: 3 x 10 x 4 = 120 > 64
+    chosen, full = request_batch(queue, BEAM, BatchLimits(max_batch_tokens=64))
+    assert chosen == queue[:2] and full
+
+
+def test_request_batch_skips_resolved_rows_and_is_not_full_when_the_queue_runs_out() -> None:
+    queue = rows(2, 2, 2)
+    queue[1].done = True
+    chosen, full = request_batch(queue, GREEDY, BatchLimits(max_batch_size=8))
+    assert chosen == [queue[0], queue[2]] and not full
+
+
+def test_rows_join_a_small_batch_at_once() -> None:
+    queue = rows(3, 4)
+    assert joiners(queue, RunningState(rows=3, longest=5), BatchLimits(), now=0.0) == queue
+
+
+def test_a_group_smaller_than_a_quarter_of_the_batch_waits_until_max_join_wait() -> None:
+    limits = BatchLimits(max_batch_size=32, max_join_wait_s=0.1)
+    running = RunningState(rows=16, longest=5)  # group: min(8, 16 // 4) = 4
+    queue = rows(3, 3, at=10.0)
+    assert joiners(queue, running, limits, now=10.05) == []
+    assert joiners(queue, running, limits, now=10.15) == queue
+    assert joiners(rows(3, 3, 3, 3, at=10.0), running, limits, now=10.0) != []
+
+
+def test_behind_a_backlog_a_small_group_waits_for_room_however_long_it_waited() -> None:
+    limits = BatchLimits(max_batch_size=20, max_join_wait_s=0.1)
+    running = RunningState(rows=18, longest=5)  # room 2 < group 4, more rows wait than fit
+    assert joiners(rows(3, 3, 3, at=0.0), running, limits, now=100.0) == []
+
+
+def test_beam_rows_never_join_and_the_token_budget_holds() -> None:
+    queue = [*rows(3, key=BEAM), *rows(3, 50)]
+    chosen = joiners(queue, RunningState(rows=1, longest=3), BatchLimits(max_batch_tokens=40), now=0.0)
+    assert chosen == [queue[1]]  # 3 rows x 50 > 40 keeps the long one out
+
+
+def test_an_old_padded_batch_takes_no_newcomers() -> None:
+    limits = BatchLimits(max_batch_size=64, max_join_age=24)  # join_rows 16
+    limit = join_age_limit(24, 16, 16)
+    assert limit == 24
+    old = RunningState(rows=16, longest=5, oldest_age=limit + 1, pads_to_oldest=True)
+    queue = rows(*[3] * 8)
+    assert joiners(queue, old, limits, now=0.0) == []
+    slots = RunningState(rows=16, longest=5, oldest_age=limit + 1, pads_to_oldest=False)
+    assert joiners(queue, slots, limits, now=0.0) == queue
+
+
+@pytest.mark.parametrize(("rows_", "limit"), [(4, 96), (16, 24), (64, 6)])
+def test_join_age_limit_keeps_rows_times_age_constant(rows_: int, limit: int) -> None:
+    assert join_age_limit(24, 16, rows_) == limit
+
+
+def test_join_due_is_the_oldest_greedy_rows_wait_left() -> None:
+    limits = BatchLimits(max_batch_size=4, max_join_wait_s=0.1)
+    queue = [*rows(2, key=BEAM, at=0.0), *rows(2, at=1.0)]
+    assert join_due(queue, RunningState(rows=1), limits, now=1.04) == pytest.approx(0.06)
+    assert join_due(queue, RunningState(rows=1), limits, now=1.2) is None  # overdue: no timer
+    assert join_due(queue, RunningState(rows=4), limits, now=1.04) is None  # full batch
