@@ -5,9 +5,7 @@ sizes renamed afterwards to our axis names. We checked it on the case that usual
 a dynamic past length of 0 (the first step, and teacher forcing): the graph is traced with
 every dynamic size >= 2 (torch.export specialises sizes 0 and 1) and gives PyTorch's numbers
 in onnxruntime for past_len 0 and 1, batch 1 and source_len 1 (tests/export/test_export.py).
-The legacy TorchScript exporter works too and is 10-25x faster (0.5 s against 13 s for the
-tiny test model's decoder on our busy CPU), but it is deprecated; we keep the supported path
-and pay ~20 s per export in the test session fixture.
+The legacy TorchScript exporter is faster but deprecated; the supported path is the one used.
 
 One merged decoder rather than a first-step decoder plus a with-past decoder (optimum's
 layout): the step with past_len 0 is the same graph (`Concat` of an empty past is a no-op), so

@@ -2,8 +2,8 @@
 
 The merged decoder (`export.onnx_export.DecoderGraph`) takes a (B, h, P, d) cache that every
 row shares in length: a running batch pads each newcomer's cache to its oldest row's, masks
-the padding, and the graph's `Concat` copies the whole cache at every step (26% of a step of
-20 rows x 67 positions on a 2-core CPU, `bench.decoder_profile`).
+the padding, and the graph's `Concat` copies the whole cache at every step (`bench.decoder_profile`
+measures its share of a step).
 
 This graph keeps each row's keys/values in a fixed buffer (B, h, capacity, d): row b's own
 positions sit in columns 0..positions[b]-1, and its new key/value goes to column

@@ -65,7 +65,7 @@ def onnx_loader(settings: Settings) -> Loader:
 def onnx_generator(settings: Settings) -> GeneratorFactory:
     """`service.generation.search.generate` bound to each runtime; greedy results scored only with
     `settings.greedy_scores` (the API does not return scores, and each step's log-softmax over
-    the vocabulary cost 4-9% of the throughput at concurrency 64: bench/results/levers-scores)."""
+    the vocabulary costs throughput: `bench/results/levers-scores`)."""
     from service.generation.search import generate
 
     def bind(runtime: Runtime) -> GenerateFn:

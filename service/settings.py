@@ -17,10 +17,9 @@ from service import limits
 
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 CPU_PROVIDER = "CPUExecutionProvider"
-# Defaults on the CPU, measured on a 2-core machine (bench/results/levers-workers): request-level
-# batches leave the model idle while their longest row ends, and a third worker fills that
-# time; a running batch (continuous batching) takes newcomers itself, and a worker per core
-# gives it the lower latency under load (lower median p50 at three loads, p95 at two of them).
+# Defaults on the CPU (chosen by bench/results/levers-workers): request-level batches leave the
+# model idle while their longest row ends, and a third worker fills that time; a running batch
+# (continuous batching) takes newcomers itself, and a worker per core gives it the lower latency.
 CPU_BATCH_WORKERS = 3  # request-level batching
 CPU_BATCH_WORKERS_CONTINUOUS = 2
 

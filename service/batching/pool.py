@@ -3,8 +3,7 @@
 One decoder call leaves a CPU's cores partly idle: its small operators run on one thread, and
 the numpy work between two steps (sampling, joins, compaction) holds the worker thread while
 onnxruntime waits. Several running batches, each stepped by its own thread on its share of the
-cores, keep them busy instead (`bench/results/levers`: on a 2-core machine two to four workers
-measure within each other's spread, one worker clearly slower).
+cores, keep them busy instead (`bench/results/levers` compares the worker counts).
 onnxruntime sessions may be run from several threads at once, so the batchers share the
 model's sessions.
 
