@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 
 QUICK = {"sentences": 16, "summaries": 8, "concurrency": [1, 4], "duration_s": 20.0, "open_duration_s": 5.0,
          "open_repeats": 1, "open_slices": 2,
-         "batch_sizes": [1, 8], "single_sentences": 8, "naive_requests": 8}
+         "batch_sizes": [1, 8], "single_sentences": 8, "naive_requests": 8, "service_workers": [1]}
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -47,6 +47,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    "slices of --open-duration-s, pooled per mode, so both see the machine alike (default 6)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64],
                    help="in-process batch sizes (default 1 8 32 64)")
+    p.add_argument("--service-workers", type=int, nargs="*", default=[1, 4],
+                   help="batch-worker counts also tried with continuous batching at the top concurrency "
+                   "(default 1 4; the server's default always runs)")
     p.add_argument("--single-sentences", type=int, default=200,
                    help="CTranslate2 single-sentence latency sample (default 200)")
     p.add_argument("--naive-requests", type=int, default=200,
@@ -70,7 +73,7 @@ def _bench(args: argparse.Namespace) -> int:
               "duration_s": args.duration_s, "open_duration_s": args.open_duration_s,
               "open_repeats": args.open_repeats, "open_slices": args.open_slices,
               "batch_sizes": args.batch_sizes, "single_sentences": args.single_sentences,
-              "naive_requests": args.naive_requests}
+              "naive_requests": args.naive_requests, "service_workers": args.service_workers}
     if args.quick:
         values.update(QUICK)
     config = BenchConfig(models_dir=args.models, data_dir=args.data_dir, out_dir=args.out, name=args.name,

@@ -46,6 +46,9 @@ class BenchConfig:
     open_repeats: int = 5  # turns of open loops of dynamic and continuous batching (the median turn counts)
     open_slices: int = 6  # each turn's open loops alternate between the two modes in this many slices
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
+    # batch-worker counts also tried with continuous batching at the top concurrency (the
+    # server's own default is always run): our knobs tuned as CTranslate2's are
+    service_workers: list[int] = field(default_factory=lambda: [1, 4])
     single_sentences: int = 200  # CTranslate2 one-sentence-per-call latency sample
     naive_requests: int = 200  # the naive server is slow: it answers at most this many per task
     threads: int = 0  # onnxruntime / CTranslate2 / torch intra-op threads (0 = each one's default)
@@ -108,7 +111,28 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
                     entry["open"] = _open_loop(config, server, mode, model, workload, rates[model])
         finally:
             _record_peak_rss(results, mode, server.stop(), workloads)
+    run_worker_grid(config, workloads, results)
     run_open_loops_in_turns(config, workloads, results)
+
+
+def run_worker_grid(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any]) -> None:
+    """Continuous batching with each batch-worker count of `config.service_workers` (the cores
+    divided among the workers), closed loop at the top concurrency: `service/continuous_w<N>`."""
+    top = max(config.concurrency)
+    for workers in config.service_workers:
+        name = f"continuous_w{workers}"
+        server = _start_service(config, "continuous", results, log_suffix=f"-w{workers}", name=name,
+                                env={"ATTNSERVE_BATCH_WORKERS": str(workers)})
+        try:
+            for model, workload in workloads.items():
+                url = server.url + ROUTES[workload.task]
+                asyncio.run(loadgen.closed_loop(url, workload.texts[:2], 2))  # warm-up
+                result = _timed(f"service {name} {model} c{top}", asyncio.run,
+                                loadgen.closed_loop(url, workload.texts, top, config.duration_s))
+                entry = results["tasks"][model].setdefault("service", {}).setdefault(name, {})
+                entry["closed"] = {f"c{top}": _stats(result)}
+        finally:
+            _record_peak_rss(results, name, server.stop(), workloads)
 
 
 def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any]) -> None:
@@ -191,16 +215,18 @@ def _p95_ratio(turn: dict[str, Any]) -> float:
     return continuous / dynamic if dynamic and continuous is not None else float("inf")
 
 
-def _start_service(config: BenchConfig, mode: str, results: dict[str, Any], log_suffix: str = "") -> ServerProcess:
-    """A started `attnserve serve` in batching `mode`; its models' variants go to `results`."""
+def _start_service(config: BenchConfig, mode: str, results: dict[str, Any], log_suffix: str = "",
+                   name: str | None = None, env: dict[str, str] | None = None) -> ServerProcess:
+    """A started `attnserve serve` in batching `mode` (with `env` added to its environment); its
+    models' variants go to `results` under `service_<name>` (`name` defaults to `mode`)."""
     port = free_port()
     command = service_command(config.models_dir, port, mode, config.threads, config.providers)
     log_path = config.out_dir / "logs" / f"{config.name}-service-{mode}{log_suffix}.log"
     server = ServerProcess(command, port, log_path,
-                           env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
-    _timed(f"start service ({mode})", server.start)
+                           env={"ATTNSERVE_MAX_TEXT_CHARS": "100000", **(env or {})})
+    _timed(f"start service ({name or mode})", server.start)
     cards = httpx.get(server.url + "/v1/models", timeout=10).json().get("models", [])
-    results["servers"].setdefault(f"service_{mode}", {})["variants"] = {
+    results["servers"].setdefault(f"service_{name or mode}", {})["variants"] = {
         c.get("name"): f"{c.get('variant')} on {c.get('provider')}" for c in cards}
     return server
 
@@ -286,7 +312,11 @@ def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path],
 
 def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, runtime: Any,
                     references: dict[str, list[Any]]) -> dict[str, Any]:
-    """Convert, then time `translate_batch` (max_batch_size 64) and single-sentence calls.
+    """Convert, then tune CTranslate2 as its users would: int8 greedy `translate_batch` over the
+    grid of `ctranslate2_runs.settings_grid` (replicas x threads, batch size in examples and in
+    tokens) and single-sentence calls with each thread pair. `int8_greedy_batch` and
+    `int8_greedy_single` are the best points, which the targets compare with; fp32 and beam 4
+    run with the best point's settings.
 
     Agreement: CT2 fp32 greedy vs our ONNX fp32 greedy (same weights, same search), and CT2 int8
     vs our ONNX int8 when the service runs int8 (both quantize, differently)."""
@@ -295,23 +325,29 @@ def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, ru
     pieces = [runtime.tokenizer.pieces(ids) for ids in workload.source_ids]
     ours = {name: [runtime.tokenizer.pieces(r.tokens) for r in outputs] for name, outputs in references.items()}
     limit = runtime.max_target_len
-    entry: dict[str, Any] = {"max_batch_size": ctranslate2_runs.MAX_BATCH_SIZE}
+    entry: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="ct2-") as tmp:
         ct2_dir = _timed("convert to CTranslate2", ctranslate2_converter.convert, model_dir, Path(tmp) / "m")
+        grid = _timed("ctranslate2 int8 greedy grid", ctranslate2_runs.run_grid, ct2_dir, "int8", pieces, limit,
+                      ctranslate2_runs.settings_grid(), single=pieces[:config.single_sentences])
+        entry["int8_greedy_grid"] = grid["points"]
+        entry["int8_greedy_single_grid"] = grid["single_points"]
+        entry["int8_greedy_batch"] = grid["best"]
+        entry["int8_greedy_single"] = grid["best_single"]
+        tuned = ctranslate2_runs.Ct2Settings(**grid["best"]["settings"])
+        entry["settings"] = tuned.to_dict()
         for compute_type, key in (("float32", "fp32"), ("int8", "int8")):
-            translator = ctranslate2_runs.load_translator(ct2_dir, compute_type, config.threads)
+            translator = ctranslate2_runs.load_translator(ct2_dir, compute_type, tuned.intra_threads,
+                                                          tuned.inter_threads)
             for beam, beam_key in ((1, "greedy"), (4, "beam4")):
                 stats, outputs = _timed(f"ctranslate2 {key} {beam_key}", ctranslate2_runs.run_batch,
-                                        translator, pieces, beam, limit)
-                entry[f"{key}_{beam_key}_batch"] = stats.to_dict()
+                                        translator, pieces, beam, limit, tuned.max_batch_size, tuned.batch_type)
+                if f"{key}_{beam_key}_batch" not in entry:
+                    entry[f"{key}_{beam_key}_batch"] = {"settings": tuned.to_dict(), **stats.to_dict()}
                 if beam == 1:
                     for name in (f"onnx_{key}", "onnx_fp32"):
                         if name in ours:
                             entry[f"agreement_{key}_vs_{name}"] = ctranslate2_runs.agreement(ours[name], outputs)
-            if key == "int8":
-                single = pieces[:config.single_sentences]
-                entry["int8_greedy_single"] = _timed("ctranslate2 int8 single", ctranslate2_runs.run_single,
-                                                    translator, single, 1, limit).to_dict()
     return entry
 
 

@@ -60,6 +60,7 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{_cell(t['continuous_p95_s'])} | {_cell(t['p95_ratio'], 2)} | "
                       f"{t.get('slices_continuous_lower', '-')} of {t.get('slices', '-')} |"
                       for i, t in enumerate(turns, 1)]
+        lines += grid_table(task_results.get("ctranslate2", {}))
         for key, value in task_results.items():
             if key.startswith("agreement"):
                 lines.append("")
@@ -83,6 +84,29 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {t['description']} | {_cell(t['ratio'], 3)} | {bound} | {t['status']} | {t['note']} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def grid_table(ct2: dict[str, Any]) -> list[str]:
+    """CTranslate2's tuning grid as markdown lines: every point, the best marked (none without a grid)."""
+    points = ct2.get("int8_greedy_grid", [])
+    if not points:
+        return []
+    best = max(p["sentences_per_s"] for p in points)
+    lines = ["", "CTranslate2 int8 greedy `translate_batch` over its tuning grid (the best point is the "
+             "baseline of the targets):", "",
+             "| replicas (inter_threads) | intra_threads | batch | sentences/s | |", "|---|---|---|---|---|"]
+    for point in points:
+        s = point["settings"]
+        mark = "best" if point["sentences_per_s"] == best else ""
+        lines.append(f"| {s['inter_threads']} | {s['intra_threads']} | {s['max_batch_size']} {s['batch_type']} | "
+                     f"{_cell(point['sentences_per_s'])} | {mark} |")
+    singles = ct2.get("int8_greedy_single_grid", [])
+    if singles:
+        lowest = min(p["latency_p50_s"] for p in singles)
+        lines += ["", "| single sentence: replicas | intra_threads | p50 s | |", "|---|---|---|---|"]
+        lines += [f"| {p['settings']['inter_threads']} | {p['settings']['intra_threads']} | "
+                  f"{_cell(p['latency_p50_s'])} | {'best' if p['latency_p50_s'] == lowest else ''} |" for p in singles]
+    return lines
 
 
 def plot(task_results: dict[str, Any], title: str, path: Path) -> Path:

@@ -70,3 +70,29 @@ def test_agreement_counts_exact_matches() -> None:
     assert agreement([["a", "b"], ["c"]], [["a", "b"], ["d"]]) == 0.5
     with pytest.raises(ValueError):
         agreement([["a"]], [])
+
+
+def test_thread_grid_covers_the_cores_as_users_tune() -> None:
+    from bench.ctranslate2_runs import BATCH_GRID, settings_grid, thread_grid
+
+    assert thread_grid(2) == [(1, 0), (1, 2), (2, 1)]
+    assert thread_grid(8) == [(1, 0), (1, 8), (8, 1), (2, 4)]
+    assert thread_grid(1) == [(1, 0), (1, 1)]
+    grid = settings_grid(2)
+    assert len(grid) == 3 * len(BATCH_GRID) and len({s.key for s in grid}) == len(grid)
+    assert {s.batch_type for s in grid} == {"examples", "tokens"}
+
+
+def test_the_grid_runs_every_point_and_keeps_the_best(tiny_ct2: Path, tiny_runtime) -> None:
+    from bench import ctranslate2_runs
+    from bench.ctranslate2_runs import Ct2Settings
+
+    tokenizer = tiny_runtime.tokenizer
+    pieces = [tokenizer.pieces(tokenizer.encode(t) + [tiny_runtime.eos_id]) for t in ("abc de", "fgh", "ijk lm")]
+    grid = [Ct2Settings(1, 1, 2), Ct2Settings(1, 1, 64, "tokens"), Ct2Settings(2, 1, 1)]
+    result = ctranslate2_runs.run_grid(tiny_ct2, "int8", pieces, tiny_runtime.max_target_len, grid, single=pieces[:2])
+    assert [p["settings"] for p in result["points"]] == [s.to_dict() for s in grid]
+    assert all(p["sentences"] == 3 and p["target_tokens"] > 0 for p in result["points"])
+    assert result["best"]["sentences_per_s"] == max(p["sentences_per_s"] for p in result["points"])
+    assert [p["settings"]["inter_threads"] for p in result["single_points"]] == [1, 2]
+    assert result["best_single"] in result["single_points"]

@@ -19,7 +19,7 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     status = main(["--log-level", "WARNING", "bench", "--models", str(models), "--data-dir", str(data),
                    "--out", str(out), "--name", "tiny", "--sentences", "6", "--concurrency", "1", "3",
                    "--duration-s", "60", "--open-duration-s", "1", "--open-repeats", "2", "--open-slices", "2", "--batch-sizes", "1", "4",
-                   "--single-sentences", "3", "--naive-requests", "3", "--threads", "1"])
+                   "--single-sentences", "3", "--naive-requests", "3", "--threads", "1", "--service-workers", "3"])
     assert status == 0
     results = json.loads((out / "tiny.json").read_text(encoding="utf-8"))
     task = results["tasks"]["tiny-reverse"]
@@ -31,6 +31,8 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
                    for run in closed.values())
         assert task["service"][mode]["open"]["offered_rate"] > 0
         assert task["service"][mode]["peak_rss_mb"] > 50
+    assert task["service"]["continuous_w3"]["closed"]["c3"]["sentences"] == 6  # our knobs' grid
+    assert results["servers"]["service_continuous_w3"]["peak_rss_mb"] > 50
     turns = task["service_open_turns"]  # two turns, each at its own rate; the lower ratio's runs kept
     assert len(turns) == 2 and all(turn["offered_rate"] > 0 for turn in turns)
     kept = min(turns, key=lambda turn: turn["p95_ratio"])
@@ -47,6 +49,14 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     assert results["servers"]["service_continuous"]["variants"] == {
         "tiny-reverse": f"{variant} on CPUExecutionProvider"}
     assert task["ctranslate2"]["int8_greedy_single"]["sentences"] == 3
+    from bench.ctranslate2_runs import settings_grid
+    grid = task["ctranslate2"]["int8_greedy_grid"]  # every point of the tuning grid; the best is the baseline
+    assert [p["settings"] for p in grid] == [s.to_dict() for s in settings_grid()]
+    assert all(p["sentences"] == 6 for p in grid)
+    assert task["ctranslate2"]["int8_greedy_batch"] == max(grid, key=lambda p: p["sentences_per_s"])
+    assert task["ctranslate2"]["int8_greedy_single"]["latency_p50_s"] == min(
+        p["latency_p50_s"] for p in task["ctranslate2"]["int8_greedy_single_grid"])
+    assert task["ctranslate2"]["fp32_greedy_batch"]["settings"] == task["ctranslate2"]["int8_greedy_batch"]["settings"]
     assert task["agreement_fp32_vs_onnx_fp32"] == 1.0  # same weights, same greedy tokens
     # every HTTP and in-process path generated the same number of tokens for the same inputs
     tokens = {task["in_process"]["b1"]["target_tokens"], task["service"]["continuous"]["closed"]["c1"]["target_tokens"],
@@ -56,6 +66,7 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     report = (out / "tiny.md").read_text(encoding="utf-8")
     assert "## tiny-reverse (6 inputs)" in report
     assert "Open loops in 2 turns" in report
+    assert "CTranslate2 int8 greedy `translate_batch` over its tuning grid" in report
     assert (out / "tiny-tiny-reverse.png").stat().st_size > 10_000
 
 
