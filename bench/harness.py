@@ -351,6 +351,35 @@ def run_ctranslate2(config: BenchConfig, model_dir: Path, workload: Workload, ru
     return entry
 
 
+def run_roofline(config: BenchConfig, model_dir: Path, workload: Workload, task_results: dict[str, Any]) -> dict[str, Any]:
+    """FLOPs per sentence of the workload (source lengths as tokenized, the target length of the
+    service's top-concurrency run, else the in-process largest batch), the machine's int8 and
+    fp32 matrix-multiply ceilings at the model's shapes, and each system's share of the ceiling."""
+    from bench import roofline
+    from service.repository.manifest import read_manifest
+
+    shapes = roofline.Shapes.from_config(read_manifest(model_dir).model_config)
+    top = f"c{max(config.concurrency)}"
+    runs = {
+        "service": targets.best_service(task_results, top),
+        "in_process": max((v for v in task_results.get("in_process", {}).values() if isinstance(v, dict)),
+                          key=lambda v: v["sentences_per_s"], default=None),
+        "ctranslate2": task_results.get("ctranslate2", {}).get("int8_greedy_batch"),
+    }
+    reference = runs["service"] or runs["in_process"]
+    if reference is None or not reference.get("sentences"):
+        raise ValueError("no service or in-process run to take the target length from")
+    target_len = round(reference["target_tokens"] / reference["sentences"])
+    flops = roofline.workload_flops(shapes, [len(ids) for ids in workload.source_ids],
+                                    [target_len] * len(workload.source_ids))
+    peaks = roofline.peaks(shapes, config.threads)
+    entry: dict[str, Any] = {"flops_per_sentence": flops, "mean_target_tokens": target_len, **peaks}
+    for name, run in runs.items():
+        rate = run["sentences_per_s"] if run else None
+        entry[f"{name}_fraction_int8"] = roofline.fraction(rate, flops, peaks["int8"]["peak_gflops"])
+    return entry
+
+
 def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
     """Run every system in `config.systems` on every task; write and return the results."""
     from bench import workload as workload_module
@@ -392,6 +421,14 @@ def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
             logger.exception("%s failed", step)
             results.setdefault("failures", {})[step] = f"{type(error).__name__}: {error}"
     translation = next((results["tasks"][m] for m, w in workloads.items() if w.task == "translate"), None)
+    for model, workload in workloads.items():
+        if workload.task == "translate":
+            try:
+                results["tasks"][model]["roofline"] = _timed(f"roofline {model}", run_roofline, config, models[model],
+                                                             workload, results["tasks"][model])
+            except Exception as error:  # recorded in the results and logged
+                logger.exception("roofline failed")
+                results.setdefault("failures", {})["roofline"] = f"{type(error).__name__}: {error}"
     if translation is not None:
         results["targets"] = [t.to_dict() for t in targets.evaluate(translation, max(config.concurrency))]
     return results, report.write(results, config.out_dir, config.name)

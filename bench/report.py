@@ -61,6 +61,7 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{t.get('slices_continuous_lower', '-')} of {t.get('slices', '-')} |"
                       for i, t in enumerate(turns, 1)]
         lines += grid_table(task_results.get("ctranslate2", {}))
+        lines += roofline_lines(task_results.get("roofline", {}))
         for key, value in task_results.items():
             if key.startswith("agreement"):
                 lines.append("")
@@ -92,8 +93,8 @@ def grid_table(ct2: dict[str, Any]) -> list[str]:
     if not points:
         return []
     best = max(p["sentences_per_s"] for p in points)
-    lines = ["", "CTranslate2 int8 greedy `translate_batch` over its tuning grid (the best point is the "
-             "baseline of the targets):", "",
+    lines = ["", ("CTranslate2 int8 greedy `translate_batch` over its tuning grid (the best point is the "
+                  "baseline of the targets):"), "",
              "| replicas (inter_threads) | intra_threads | batch | sentences/s | |", "|---|---|---|---|---|"]
     for point in points:
         s = point["settings"]
@@ -107,6 +108,19 @@ def grid_table(ct2: dict[str, Any]) -> list[str]:
         lines += [f"| {p['settings']['inter_threads']} | {p['settings']['intra_threads']} | "
                   f"{_cell(p['latency_p50_s'])} | {'best' if p['latency_p50_s'] == lowest else ''} |" for p in singles]
     return lines
+
+
+def roofline_lines(roofline: dict[str, Any]) -> list[str]:
+    """The roofline as markdown lines: FLOPs per sentence, the ceilings, each system's share."""
+    if not roofline:
+        return []
+    shares = ", ".join(f"{name} {_cell(100 * roofline[f'{name}_fraction_int8'], 1)}%"
+                       for name in ("service", "in_process", "ctranslate2")
+                       if roofline.get(f"{name}_fraction_int8") is not None)
+    return ["", (f"Roofline: {roofline['flops_per_sentence'] / 1e6:.1f} MFLOP per sentence (matrix multiplications, "
+                 f"{roofline['mean_target_tokens']} target tokens); matrix-multiply peak at the model's shapes "
+                 f"{_cell(roofline['int8']['peak_gflops'], 1)} GFLOP/s int8, {_cell(roofline['fp32']['peak_gflops'], 1)} "
+                 f"fp32; share of the int8 peak: {shares or '-'}.")]
 
 
 def plot(task_results: dict[str, Any], title: str, path: Path) -> Path:

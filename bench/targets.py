@@ -44,17 +44,25 @@ def _get(results: dict[str, Any], *path: str) -> Any:
     return node
 
 
+def best_service(results: dict[str, Any], level: str) -> dict[str, Any] | None:
+    """The fastest closed-loop run at `level` (e.g. "c64") of continuous batching, over the
+    server's default and each batch-worker setting tried (`continuous_w<N>`)."""
+    runs = [run for name, node in (_get(results, "service") or {}).items()
+            if name == "continuous" or name.startswith("continuous_w")
+            if (run := _get(node, "closed", level)) is not None and run.get("sentences_per_s") is not None]
+    return max(runs, key=lambda run: run["sentences_per_s"], default=None)
+
+
 def evaluate(results: dict[str, Any], top_concurrency: int, rss_limit_mb: float = 600.0) -> list[Target]:
-    """The five targets of the issue, computed from the harness's results (translation task).
+    """The targets of the issues, computed from the harness's results (translation task).
 
     Paths read: service/continuous and service/continuous_w<workers> closed/c<N> (the best of them), naive/closed/c1,
     ctranslate2/int8_greedy_batch and int8_greedy_single, service/continuous/peak_rss_mb, and the
     open loops of service/continuous and service/dynamic.
     """
-    service_top = max((v for name, node in (_get(results, "service") or {}).items()
-                       if name == "continuous" or name.startswith("continuous_w")
-                       if (v := _get(node, "closed", f"c{top_concurrency}", "sentences_per_s")) is not None),
-                      default=None)
+    best = best_service(results, f"c{top_concurrency}")
+    service_top = best["sentences_per_s"] if best else None
+    roofline = _get(results, "roofline", "service_fraction_int8")
     service_c1_p50 = _get(results, "service", "continuous", "closed", "c1", "latency_p50_s")
     ct2_batch = _get(results, "ctranslate2", "int8_greedy_batch", "sentences_per_s")
     ct2_single_p50 = _get(results, "ctranslate2", "int8_greedy_single", "latency_p50_s")
@@ -75,6 +83,8 @@ def evaluate(results: dict[str, Any], top_concurrency: int, rss_limit_mb: float 
                "p50", ratio(service_c1_p50, ct2_single_p50), 1.5, False),
         Target("continuous_p95", "p95 at 70% offered load, continuous / dynamic batching", continuous, 0.7,
                False, "" if continuous is not None else "continuous or dynamic open loop not measured"),
+        Target("roofline_int8", f"service at concurrency {top_concurrency}: FLOPs/s / the machine's int8 "
+               "matrix-multiply peak", roofline, 0.2, True, "" if roofline is not None else "roofline not measured"),
         Target("server_rss", f"server peak RSS with both models / {rss_limit_mb:.0f} MB",
                ratio(rss, rss_limit_mb), 1.0, False),
     ]

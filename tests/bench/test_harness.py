@@ -62,10 +62,14 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     tokens = {task["in_process"]["b1"]["target_tokens"], task["service"]["continuous"]["closed"]["c1"]["target_tokens"],
               task["ctranslate2"]["fp32_greedy_batch"]["target_tokens"]}
     assert len(tokens) == 1
-    assert {t["name"] for t in results["targets"]} >= {"vs_ctranslate2_int8", "server_rss"}
+    assert {t["name"] for t in results["targets"]} >= {"vs_ctranslate2_int8", "server_rss", "roofline_int8"}
+    line = task["roofline"]  # FLOPs per sentence, the machine's GEMM ceilings, each system's share
+    assert line["flops_per_sentence"] > 0 and line["int8"]["peak_gflops"] > 0 and line["fp32"]["peak_gflops"] > 0
+    assert 0 < line["service_fraction_int8"] < 1 and 0 < line["ctranslate2_fraction_int8"] < 1
     report = (out / "tiny.md").read_text(encoding="utf-8")
     assert "## tiny-reverse (6 inputs)" in report
     assert "Open loops in 2 turns" in report
+    assert "Roofline:" in report
     assert "CTranslate2 int8 greedy `translate_batch` over its tuning grid" in report
     assert (out / "tiny-tiny-reverse.png").stat().st_size > 10_000
 
