@@ -57,9 +57,10 @@ def _session(connections: int) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
 
 
-async def _send(client: aiohttp.ClientSession, url: str, text: str, started: float, result: LoadResult) -> None:
+async def _send(client: aiohttp.ClientSession, url: str, text: str, started: float, result: LoadResult,
+                options: dict[str, object] | None = None) -> None:
     try:
-        async with client.post(url, json={"text": text}) as response:
+        async with client.post(url, json={"text": text, **(options or {})}) as response:
             if response.status >= 400:
                 _failed(result, f"HTTP {response.status}: {await response.text()}")
                 return

@@ -6,14 +6,15 @@ refused whole. A loop on the event loop takes the oldest row and forms its batch
 key, is sorted by source length and generated in the model's own single worker thread, so the
 event loop never blocks. If generation raises, every row of that batch fails with
 `InternalError` and the loop goes on. Other work on the model (attention maps) runs in the
-same worker thread between batches, through `run`.
+same worker thread between two steps of the running batch, through `run`.
 
 Continuous batching (given a `running_batch` factory, an `InFlightBatch`): greedy rows join the
 running batch between two decoder steps, when `policy.joiners` lets them, and leave it, their
 futures resolved, as soon as they finish. The `Stepper` steps the running batch in the worker
 thread until something new arrives (a row, a `run` call, shutdown) or a join falls due, then
-the loop decides. Beam-search rows form request-level batches, run between two steps of the
-running batch when they are the oldest queued rows.
+the loop decides. Beam-search rows form request-level batches, run one at a time in a second
+worker thread beside the running batch, which keeps stepping: a beam request never pauses the
+greedy rows (onnxruntime sessions take calls from several threads at once).
 
 Every row carries `RowHooks`, and the generation function is called with them (`hooks=`, one
 per row): a row whose `cancel` is set leaves its batch at the next decoder step (a beam-search
@@ -87,11 +88,16 @@ class Batcher:
         self._generate = generate_fn
         self._queue = AdmissionQueue(model, limits, self._publish_depth)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name or f"batch-{model}")
-        # continuous batching of greedy rows
+        # continuous batching of greedy rows, and request-level batches beside the running batch
         self._stepper = Stepper(model, running_batch(), self._executor) if running_batch is not None else None
+        self._beside: ThreadPoolExecutor | None = None
+        if running_batch is not None:
+            self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{thread_name or f'batch-{model}'}-beam")
+        self._request_batch: asyncio.Task[None] | None = None  # the request-level batch beside
         self._running: list[QueuedRow] = []  # the request-level batch now generating
         self._decoding: list[QueuedRow] = []  # the rows of the running batch (continuous batching)
         self._arrived = asyncio.Event()
+        self._filling = asyncio.Event()  # an arrival, for a request-level batch that fills
         self._idle = asyncio.Event()
         self._idle.set()
         self._jobs = 0  # calls of `run` admitted and not finished
@@ -194,6 +200,7 @@ class Batcher:
         self._queue.admit(rows)
         self._idle.clear()
         self._arrived.set()
+        self._filling.set()
         return [row.future for row in rows]
 
     def cancel(self, future: asyncio.Future[Generated]) -> str | None:
@@ -221,7 +228,7 @@ class Batcher:
         return stage
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in the model's worker thread, between batches (never beside one).
+        """`fn(*args)` in the model's worker thread, between two steps of the running batch.
 
         Admitted like rows: `NotReady` while draining, `Overloaded` when the queue and the
         calls waiting fill `max_queue_size`; `InternalError` when `fn` raises (logged).
@@ -246,6 +253,7 @@ class Batcher:
         """Drain: stop admitting, let queued and running rows finish (up to `timeout_s`), stop."""
         self._queue.accepting = False
         self._arrived.set()
+        self._filling.set()
         if self._stepper is not None:
             self._stepper.interrupt()
         try:
@@ -255,16 +263,19 @@ class Batcher:
         except TimeoutError:
             logger.error("model %s: %d rows still queued after %.0fs of draining",
                          self.model, len(self._queue), timeout_s)
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._task, self._request_batch):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         for row in [*self._running, *self._decoding, *self._queue.clear()]:  # left when draining timed out
             if not row.future.done():
                 row.future.set_exception(NotReady("the server is shutting down"))
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._beside is not None:
+            self._beside.shutdown(wait=False, cancel_futures=True)
 
     async def _loop(self) -> None:
         """Form batches forever: wait for a row, let the batch fill, run it; or admit rows to
@@ -274,19 +285,25 @@ class Batcher:
             self._queue.drop_done_head()
             stepping = self._stepper is not None and self._stepper.stepping
             head = self._queue.head
-            if head is None and not self._decoding and not stepping:
+            if self._stepper is None:  # request-level batches only, in the worker thread
+                if head is None:
+                    self._idle.set()
+                    self._arrived.clear()
+                    await self._arrived.wait()
+                else:
+                    await self._fill_and_run(head, self._executor)
+                continue
+            beside = self._request_batch is not None and not self._request_batch.done()
+            if head is None and not self._decoding and not stepping and not beside:
                 self._idle.set()
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
-            if head is not None and not self._joins_running_batch(head):
-                if stepping:  # pause the running batch between two steps
-                    assert self._stepper is not None
-                    self._stepper.interrupt()
-                    await self._stop_stepping()
-                await self._fill_and_run(head, wait=not self._decoding)
-                continue
-            assert self._stepper is not None
+            if not beside:
+                oldest = next((row for row in self._queue if not self._joins_running_batch(row) and not row.done),
+                              None)
+                if oldest is not None:
+                    self._request_batch = asyncio.ensure_future(self._beside_batch(oldest))
             self._admit(policy.joiners(self._queue, self._running_state(), self.limits, time.perf_counter()))
             if self._decoding and not stepping:
                 self._stepper.start(self._finish)
@@ -305,24 +322,33 @@ class Batcher:
             pads_to_oldest=batch.pads_to_oldest,
         )
 
-    async def _fill_and_run(self, head: QueuedRow, wait: bool = True) -> None:
-        """A request-level batch: wait up to `max_wait_s` for rows of `head`'s key (not while
-        a running batch is paused for it), run it."""
+    async def _fill_and_run(self, head: QueuedRow, executor: ThreadPoolExecutor) -> None:
+        """A request-level batch: wait up to `max_wait_s` for rows of `head`'s key, run it in
+        `executor`'s thread."""
         flush_at = head.enqueued_at + self.limits.max_wait_s
-        while wait and self._queue.accepting and not policy.request_batch(self._queue, head.key, self.limits)[1]:
+        while self._queue.accepting and not policy.request_batch(self._queue, head.key, self.limits)[1]:
             remaining = flush_at - time.perf_counter()
             if remaining <= 0:
                 break
-            self._arrived.clear()
+            self._filling.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
+                await asyncio.wait_for(self._filling.wait(), remaining)
             except TimeoutError:
                 break
         self._queue.expire(time.perf_counter())
         rows, _ = policy.request_batch(self._queue, head.key, self.limits)
         self._queue.take(rows)
         if rows:
-            await self._run(rows)
+            await self._run(rows, executor)
+
+    async def _beside_batch(self, head: QueuedRow) -> None:
+        """The request-level batch of `head` in the second worker thread; wakes the loop when
+        it ends, so that the next one may start."""
+        assert self._beside is not None
+        try:
+            await self._fill_and_run(head, self._beside)
+        finally:
+            self._arrived.set()
 
     def _admit(self, joiners: list[QueuedRow]) -> None:
         """Hand `joiners` to the worker: it adds them to the running batch before its next step."""
@@ -380,8 +406,8 @@ class Batcher:
                 row.future.set_result(result)
         self._arrived.set()  # room in the running batch: the loop may admit waiting rows
 
-    async def _run(self, rows: list[QueuedRow]) -> None:
-        """Generate one batch in the worker thread and resolve its rows' futures."""
+    async def _run(self, rows: list[QueuedRow], executor: ThreadPoolExecutor) -> None:
+        """Generate one batch in `executor`'s thread and resolve its rows' futures."""
         started = time.perf_counter()
         key = rows[0].key
         for row in rows:
@@ -396,9 +422,7 @@ class Batcher:
         self._running = rows  # failed by `close` if the loop is cancelled while they run
         generate = functools.partial(self._generate, hooks=[row.hooks for row in rows])
         try:
-            results = await loop.run_in_executor(
-                self._executor, generate, sources, key.beam_size, key.max_new_tokens
-            )
+            results = await loop.run_in_executor(executor, generate, sources, key.beam_size, key.max_new_tokens)
             if len(results) != len(rows):
                 raise RuntimeError(f"{len(results)} results for {len(rows)} rows")
         except Exception:

@@ -86,7 +86,7 @@ async def test_per_row_token_limits_share_the_running_batch() -> None:
     await batcher.close(1)
 
 
-async def test_beam_rows_run_between_two_steps_of_the_running_batch() -> None:
+async def test_beam_rows_run_beside_the_running_batch() -> None:
     running = FakeRunningBatch(step_delay_s=0.005)
     model = FakeModel()
     batcher = make("c-beam", running, model)
@@ -95,7 +95,47 @@ async def test_beam_rows_run_between_two_steps_of_the_running_batch() -> None:
     beam = await batcher.submit([source(4)], 3, 100)
     assert not long_task.done() and beam == [reverse(source(4), 100)]
     assert model.batches == [[5]]  # the beam row went to the request-level generate
+    assert model.threads and all(name.startswith("batch-c-beam-beam") for name in model.threads)
     await long_task
+    await batcher.close(1)
+
+
+async def test_a_running_beam_batch_does_not_hold_back_greedy_rows() -> None:
+    running = FakeRunningBatch(step_delay_s=0.002)
+    model = FakeModel(gate=threading.Event())  # the beam batch runs until the gate opens
+    batcher = make("c-beam-hol", running, model)
+    beam_task = asyncio.ensure_future(batcher.submit([source(6), source(8)], 4, 100))
+    await asyncio.sleep(0.05)
+    assert batcher.running == 2 and not beam_task.done()
+    # greedy requests arriving now join the running batch, decode and finish
+    greedy = await asyncio.wait_for(asyncio.gather(*(batcher.submit([source(n)], 1, 100) for n in (3, 5, 7))), 5)
+    assert [g[0] for g in greedy] == [reverse(source(n), 100) for n in (3, 5, 7)]
+    assert not beam_task.done()
+    # a second beam request waits for the first (one request-level batch at a time)
+    second = asyncio.ensure_future(batcher.submit([source(4)], 2, 100))
+    await asyncio.sleep(0.05)
+    assert model.batches == [[7, 9]]
+    assert model.gate is not None
+    model.gate.set()
+    assert await beam_task == [reverse(source(6), 100), reverse(source(8), 100)]
+    assert await second == [reverse(source(4), 100)]
+    assert model.batches == [[7, 9], [5]]
+    await batcher.close(1)
+
+
+async def test_a_cancelled_beam_request_stops_beside_the_running_batch() -> None:
+    running = FakeRunningBatch(step_delay_s=0.002)
+    model = FakeModel(gate=threading.Event())
+    batcher = make("c-beam-cancel", running, model)
+    beam_task = asyncio.ensure_future(batcher.submit([source(6)], 4, 100))
+    await asyncio.sleep(0.05)
+    beam_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await beam_task
+    assert batcher.counters.cancelled == 1 and batcher.running == 0  # its row's cancel flag is set
+    assert model.gate is not None
+    model.gate.set()
+    assert await batcher.submit([source(3)], 1, 100) == [reverse(source(3), 100)]
     await batcher.close(1)
 
 
