@@ -68,6 +68,12 @@ class GenerateRequest(BaseModel):
         "heads), one row per generated token (and `</s>` when it ended with one), one column "
         "per source token (and `</s>`), with the tokens of both",
     )
+    return_alignment: bool = Field(
+        default=False,
+        description="add to each output its word alignment to the source (`alignment`): "
+        "Pharaoh `i-j` links between whitespace-separated source and output words, with "
+        "their character spans; with `stream`, in the final event's output",
+    )
     stream: bool = Field(
         default=False,
         description="answer with Server-Sent Events: one event per generated token (greedy; "
@@ -107,8 +113,28 @@ class Token(BaseModel):
     end: int
 
 
+class WordSpan(BaseModel):
+    """A whitespace-separated word (punctuation included) and its characters `text[start:end]`."""
+
+    word: str
+    start: int
+    end: int
+
+
+class WordAlignment(BaseModel):
+    """Hard links between the source's and the target's words, read from cross-attention
+    (`service.generation.alignment`): `links` `[i, j]` join source word i and target word j
+    (0-based, sorted); `pharaoh` is the same as `"i-j i-j ..."`; words may have no link."""
+
+    pharaoh: str
+    links: list[tuple[int, int]]
+    source_words: list[WordSpan]
+    target_words: list[WordSpan]
+
+
 class Output(BaseModel):
-    """One generated text; the attention fields only when `return_attention` was asked."""
+    """One generated text; the attention fields only when `return_attention` was asked, the
+    alignment only with `return_alignment`."""
 
     text: str
     finish_reason: FinishReason
@@ -119,6 +145,7 @@ class Output(BaseModel):
     )
     source_tokens: list[Token] | None = None
     target_tokens: list[Token] | None = None
+    alignment: WordAlignment | None = None
 
 
 class Usage(BaseModel):
@@ -164,6 +191,10 @@ class AttentionRequest(BaseModel):
         default=False, description="one mean over the (selected) heads in place of the heads"
     )
     decimals: int = Field(default=4, ge=1, le=MAX_DECIMALS, description="weights rounded to")
+    alignment: bool = Field(
+        default=False, description="add the word alignment of source and target (`alignment`), "
+        "from every layer's cross-attention of the same pass, whatever `kinds` and `layers` ask"
+    )
 
     @model_validator(mode="after")
     def _no_repeats(self) -> Self:
@@ -192,6 +223,7 @@ class AttentionResponse(BaseModel):
     heads: list[int] = Field(description="head indices (averaged into one with average_heads)")
     average_heads: bool
     attention: dict[AttentionKind, list[list[list[list[float]]]]]
+    alignment: WordAlignment | None = Field(None, description="only when `alignment` was asked")
 
 
 class ErrorBody(BaseModel):

@@ -12,7 +12,9 @@ unknown models are ordinary JSON errors. Then the body (`text/event-stream`) is 
 the deltas of all events (the final one included) concatenate to the output. Greedy decoding
 streams each token as the worker thread decodes it (`RowHooks.on_token`, handed to the event
 loop with `call_soon_threadsafe`); beam search streams the tokens of the final hypothesis once
-it is chosen. A failure after the stream started is one last event with the error body
+it is chosen. With `return_alignment`, the final event's output carries the word alignment
+(one teacher-forced pass once the row finished, in the model's worker thread). A failure after
+the stream started is one last event with the error body
 (`{"error": ..., "error_type": ...}`). When the client goes away, the row is cancelled: it
 leaves the queue, or the running batch at the next decoder step.
 """
@@ -35,6 +37,7 @@ from service.api.deadline import Deadline
 from service.api.pipeline import Prepared
 from service.batching.batcher import Generated
 from service.errors import DeadlineExceeded, InternalError, ServiceError
+from service.generation import attention_maps
 from service.generation.hooks import RowHooks
 from service.observability import metrics
 from service.settings import Settings
@@ -51,10 +54,12 @@ def event(data: dict[str, Any]) -> bytes:
 
 
 def stream(
-    prepared: Prepared, receive: Receive, settings: Settings, deadline: Deadline | None = None
+    prepared: Prepared, receive: Receive, settings: Settings, deadline: Deadline | None = None,
+    alignment: bool = False,
 ) -> StreamingResponse:
     """Admit the request's one row (raising `Overloaded`/`NotReady` now) and stream it, within
-    `deadline` (default `request_timeout_s`)."""
+    `deadline` (default `request_timeout_s`); with `alignment`, the final event's output has
+    its word alignment (the runtime gives attention weights: the route checked)."""
     batcher = prepared.entry.batcher
     assert batcher is not None and len(prepared.sources) == 1
     loop = asyncio.get_running_loop()
@@ -65,7 +70,7 @@ def stream(
         deadline=deadline.at if deadline is not None else None,
     )
     budget_s = deadline.budget_s if deadline is not None else settings.request_timeout_s
-    body = _events(prepared, future, tokens, receive, budget_s)
+    body = _events(prepared, future, tokens, receive, budget_s, settings if alignment else None)
     return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
 
 
@@ -107,7 +112,9 @@ async def _events(
     tokens: asyncio.Queue[int],
     receive: Receive,
     budget_s: float,
+    align_settings: Settings | None = None,
 ) -> AsyncIterator[bytes]:
+    """The events of one streamed row; with `align_settings`, the final output aligned."""
     entry = prepared.entry
     batcher = entry.batcher
     assert batcher is not None
@@ -140,7 +147,14 @@ async def _events(
         result = future.result()
         for token in result.tokens[len(text.ids):]:  # beam search: the final hypothesis
             yield event(text.add(token))
-        out = pipeline.output(prepared.runtime, prepared.sources[0], result)
+        extra: dict[str, Any] = {}
+        if align_settings is not None:
+            [extra["alignment"]] = await pipeline.within_deadline(
+                batcher.run(attention_maps.word_alignments, prepared.runtime, prepared.texts,
+                            prepared.sources, [list(result.tokens)]),
+                entry, prepared.started, align_settings, budget_s=budget_s,
+            )
+        out = pipeline.output(prepared.runtime, prepared.sources[0], result, **extra)
         final = {"done": True, "model": entry.name, "delta": out.text[len(text.sent):]
                  if out.text.startswith(text.sent) else "",
                  "output": out.model_dump(exclude_none=True),

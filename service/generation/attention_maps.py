@@ -9,6 +9,9 @@ Conventions (the same for `POST /v1/attention` and `return_attention`):
   the decoder map) belong to `target_tokens[i]`. Decoder self-attention is causal.
 - For a generated output (`return_attention`), the rows are the steps that produced it: one
   per output token, plus the `</s>` row when generation stopped at EOS (not at the limit).
+- Word alignments (`return_alignment`, and `alignment` of `/v1/attention`) come from every
+  layer's and head's cross-attention of one teacher-forced pass of `<s>` + the whole target,
+  by `service.generation.alignment.DEFAULT`.
 
 All of it runs in the model's worker thread (`Batcher.run`): one teacher-forced encoder and
 decoder call, then numpy. `/v1/attention` responses are even serialised there, since a large
@@ -24,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from service.generation import alignment
 from service.generation.search import teacher_forced_attention
 from service.runtime.protocol import Runtime
 
@@ -88,19 +92,45 @@ def rounded(weights: np.ndarray, decimals: int) -> Any:
     return np.round(weights.astype(np.float64), decimals).tolist()
 
 
+@dataclass(frozen=True)
+class Texts:
+    """Source and target texts and their pieces' character spans (without `</s>`): what a
+    word alignment needs besides the attention."""
+
+    source: str
+    source_spans: list[tuple[int, int]]
+    target: str
+    target_spans: list[tuple[int, int]]
+
+
 def attention_json(runtime: Runtime, source_ids: list[int], target_ids: list[int],
-                   selection: Selection, fields: dict[str, Any]) -> bytes:
+                   selection: Selection, fields: dict[str, Any], texts: Texts | None = None) -> bytes:
     """The `/v1/attention` body: `fields` plus the selected maps of `target_ids` given
-    `source_ids` (ending with EOS), teacher-forced; serialised to JSON."""
+    `source_ids` (ending with EOS), teacher-forced; with `texts`, also the word alignment of
+    the same pass (all its cross-attention, `alignment.DEFAULT`); serialised to JSON."""
     maps = teacher_forced_attention(runtime, source_ids, target_ids)
     heads = selection.head_indices(runtime)
-    attention = {
+    body = dict(fields)
+    body["attention"] = {
         kind: rounded(select(getattr(maps, kind), selection.layer_indices(runtime, kind), heads,
                              selection.average_heads), selection.decimals)
         for kind in selection.kinds
     }
-    return json.dumps({**fields, "attention": attention}, separators=(",", ":"),
-                      ensure_ascii=False, allow_nan=False).encode("utf-8")
+    if texts is not None:
+        body["alignment"] = alignment_fields(np.stack(maps.cross), texts)
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def alignment_fields(cross: np.ndarray, texts: Texts) -> dict[str, Any]:
+    """`{"pharaoh", "links", "source_words", "target_words"}` of one pass's cross-attention
+    `(layers, heads, rows, source positions)`, by `alignment.DEFAULT`."""
+    found = alignment.align(cross, texts.source, texts.source_spans, texts.target, texts.target_spans)
+    return {
+        "pharaoh": found.pharaoh,
+        "links": [list(link) for link in found.links],
+        "source_words": [{"word": w.text, "start": w.start, "end": w.end} for w in found.source_words],
+        "target_words": [{"word": w.text, "start": w.start, "end": w.end} for w in found.target_words],
+    }
 
 
 def decoder_input(runtime: Runtime, tokens: Sequence[int], ended_with_eos: bool
@@ -113,24 +143,49 @@ def decoder_input(runtime: Runtime, tokens: Sequence[int], ended_with_eos: bool
     return [runtime.bos_id, *tokens][: max(rows, 1)], rows
 
 
-def alignments(runtime: Runtime, sources: list[list[int]],
-               outputs: list[tuple[list[int], bool]]) -> list[list[list[float]]]:
-    """Cross-attention of each generated output over its source, last decoder layer, mean of
-    the heads, rounded: `[row][source token]` (rows as in `decoder_input`).
+def cross_attention(runtime: Runtime, sources: list[list[int]],
+                    decoder_inputs: list[list[int]]) -> list[np.ndarray]:
+    """Every decoder layer's cross-attention of each (source, decoder input) pair, teacher-forced:
+    `(layers, heads, len(decoder input), len(source))` each.
 
-    One encoder and one decoder call for the whole batch (sources ending with EOS, outputs as
-    (tokens, ended with EOS)); padding is masked, and causal attention never reads it.
+    One encoder and one decoder call for the whole batch (sources ending with EOS, decoder
+    inputs starting with BOS); padding is masked, and causal attention never reads it.
     """
-    inputs = [decoder_input(runtime, tokens, eos) for tokens, eos in outputs]
     state = runtime.encode(runtime.pad(sources))
-    width = max(len(ids) for ids, _ in inputs)
-    decoder_ids = np.full((len(inputs), width), runtime.bos_id, dtype=np.int64)  # (B, T)
-    target_mask = np.zeros((len(inputs), width), dtype=bool)  # (B, T)
-    for row, (ids, _) in enumerate(inputs):
+    width = max(len(ids) for ids in decoder_inputs)
+    decoder_ids = np.full((len(decoder_inputs), width), runtime.bos_id, dtype=np.int64)  # (B, T)
+    target_mask = np.zeros((len(decoder_inputs), width), dtype=bool)  # (B, T)
+    for row, ids in enumerate(decoder_inputs):
         decoder_ids[row, : len(ids)] = ids
         target_mask[row, : len(ids)] = True
     step = runtime.decode(decoder_ids, state, target_mask=target_mask, need_attention=True)
     assert step.cross_attentions is not None
-    last = step.cross_attentions[-1].mean(axis=1)  # (B, T, S)
-    return [rounded(last[row, :rows, : len(source)], ALIGNMENT_DECIMALS)
-            for row, (source, (_, rows)) in enumerate(zip(sources, inputs, strict=True))]
+    cross = np.stack(step.cross_attentions, axis=1)  # (B, L, h, T, S)
+    return [cross[row, :, :, : len(ids), : len(source)]
+            for row, (source, ids) in enumerate(zip(sources, decoder_inputs, strict=True))]
+
+
+def alignments(runtime: Runtime, sources: list[list[int]],
+               outputs: list[tuple[list[int], bool]]) -> list[list[list[float]]]:
+    """Cross-attention of each generated output over its source, last decoder layer, mean of
+    the heads, rounded: `[row][source token]` (rows as in `decoder_input`); sources end with
+    EOS, outputs are (tokens, ended with EOS)."""
+    inputs = [decoder_input(runtime, tokens, eos) for tokens, eos in outputs]
+    maps = cross_attention(runtime, sources, [ids for ids, _ in inputs])
+    return [rounded(cross[-1].mean(axis=0)[:rows], ALIGNMENT_DECIMALS)
+            for cross, (_, rows) in zip(maps, inputs, strict=True)]
+
+
+def word_alignments(runtime: Runtime, texts: list[str], sources: list[list[int]],
+                    outputs: list[list[int]]) -> list[dict[str, Any]]:
+    """The word alignment (`alignment_fields`) of each generated output (token ids) to its
+    source text (`sources`: its ids, ending with EOS), from one teacher-forced pass of
+    `<s>` + output for the whole batch."""
+    tokenizer = runtime.tokenizer
+    maps = cross_attention(runtime, sources, [[runtime.bos_id, *tokens] for tokens in outputs])
+    found = []
+    for text, cross, tokens in zip(texts, maps, outputs, strict=True):
+        _, source_spans = tokenizer.encode_with_offsets(text)
+        target, target_spans = tokenizer.decode_with_offsets(tokens)
+        found.append(alignment_fields(cross, Texts(text, source_spans, target, target_spans)))
+    return found

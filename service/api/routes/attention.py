@@ -4,7 +4,8 @@ The stages: schema validation, the model (by name, else the task's default), lay
 indices checked against the model, the source (and target) tokenized within the attention
 limits, the target generated greedily through the batcher when none is given, the size of the
 response checked against `attention_max_cells`, then one teacher-forced pass in the model's
-worker thread, which also serialises the response. Conventions: `service.generation.attention_maps`.
+worker thread, which also serialises the response (and, with `alignment`, aligns the words
+from the same pass). Conventions: `service.generation.attention_maps`.
 """
 
 from __future__ import annotations
@@ -77,12 +78,21 @@ async def post_attention(
         "heads": selection.head_indices(runtime),
         "average_heads": selection.average_heads,
     }
+    texts = None
+    if body.alignment:
+        texts = attention_maps.Texts(body.source, _spans(source_tokens), target_text,
+                                     _spans(target_tokens))
     content = await within_deadline(
         entry.batcher.run(attention_maps.attention_json, runtime, source_ids, target_ids, selection,
-                          fields),
+                          fields, texts),
         entry, started, settings, budget_s=deadline.budget_s,
     )
     return Response(content=content, media_type="application/json")
+
+
+def _spans(tokens: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The character spans of labelled tokens, without the closing `</s>`."""
+    return [(t["start"], t["end"]) for t in tokens[:-1]]
 
 
 def _check_indices(runtime: Runtime, selection: Selection) -> None:

@@ -6,8 +6,9 @@ full), waiting for the batch under the request's deadline (504; `service.api.dea
 watching for the client to go away (`service.api.disconnect`), detokenization. With
 `return_attention`, one more teacher-forced pass over the outputs, in the model's worker
 thread, gives their cross-attention (`service.generation.attention_maps.alignments`; exact for greedy and beam
-search alike). With `stream`, one text is answered with Server-Sent Events
-(`service.api.streaming`).
+search alike); with `return_alignment`, one such pass gives their word alignments
+(`service.generation.attention_maps.word_alignments`). With `stream`, one text is answered with
+Server-Sent Events (`service.api.streaming`), the alignment in its final event.
 """
 
 from __future__ import annotations
@@ -77,16 +78,26 @@ async def _generate(
     texts = body.inputs
     where = ["text"] if body.texts is None else [f"texts.{i}" for i in range(len(texts))]
     # 422 now, rather than after generating, for a model without attention outputs.
-    maps_runtime = attention_runtime(runtime) if body.return_attention else None
+    needs_maps = body.return_attention or body.return_alignment
+    maps_runtime = attention_runtime(runtime) if needs_maps else None
     prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
                                 where, started)
     deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
-        return streaming.stream(prepared, request.receive, settings, deadline)
+        return streaming.stream(prepared, request.receive, settings, deadline,
+                                alignment=body.return_alignment)
     sources = prepared.sources
     results = await pipeline.generate(prepared, settings, deadline, request)
     extras: list[dict[str, Any]] = [{} for _ in results]
-    if maps_runtime is not None:
+    if maps_runtime is not None and body.return_alignment:
+        found = await within_deadline(
+            entry.batcher.run(attention_maps.word_alignments, maps_runtime, texts, sources,
+                              [list(r.tokens) for r in results]),
+            entry, started, settings, budget_s=deadline.budget_s,
+        )
+        for extra, words in zip(extras, found, strict=True):
+            extra["alignment"] = words
+    if maps_runtime is not None and body.return_attention:
         generated = [(list(r.tokens), r.finish_reason == "eos") for r in results]
         maps = await within_deadline(
             entry.batcher.run(attention_maps.alignments, maps_runtime, sources, generated),
