@@ -7,7 +7,9 @@ watching for the client to go away (`service.api.disconnect`), detokenization. W
 `return_attention`, one more teacher-forced pass over the outputs, in the model's worker
 thread, gives their cross-attention (`service.generation.attention_maps.alignments`; exact for greedy and beam
 search alike). With `stream`, one text is answered with Server-Sent Events
-(`service.api.streaming`).
+(`service.api.streaming`). Translation splits long texts into sentences, unless
+`return_attention` (whose maps relate one source to one output); summarization refuses a text
+longer than the model's window unless `truncate`.
 """
 
 from __future__ import annotations
@@ -79,14 +81,14 @@ async def _generate(
     # 422 now, rather than after generating, for a model without attention outputs.
     maps_runtime = attention_runtime(runtime) if body.return_attention else None
     prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
-                                where, started)
+                                where, started, body.truncate, whole_texts=body.return_attention)
     deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
         return streaming.stream(prepared, request.receive, settings, deadline)
     sources = prepared.sources
     results = await pipeline.generate(prepared, settings, deadline, request)
-    extras: list[dict[str, Any]] = [{} for _ in results]
-    if maps_runtime is not None:
+    extras: list[dict[str, Any]] = [{} for _ in texts]
+    if maps_runtime is not None:  # one row per text (`whole_texts`)
         generated = [(list(r.tokens), r.finish_reason == "eos") for r in results]
         maps = await within_deadline(
             entry.batcher.run(attention_maps.alignments, maps_runtime, sources, generated),
@@ -96,10 +98,7 @@ async def _generate(
             source_tokens, target_tokens = _alignment_labels(runtime, texts[i], *generated[i])
             extra.update(attention=maps[i], source_tokens=source_tokens,
                          target_tokens=target_tokens)
-    outputs = [
-        pipeline.output(runtime, source, result, **extra)
-        for source, result, extra in zip(sources, results, extras, strict=True)
-    ]
+    outputs = pipeline.outputs(prepared, results, extras)
     return GenerateResponse(model=entry.name, outputs=outputs, usage=pipeline.usage(outputs))
 
 
