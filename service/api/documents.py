@@ -9,8 +9,9 @@ The rule (`split`):
   the model's source language). A sentence longer than the window is cut between words into
   chunks that fit; a single word longer than the window is refused (`InvalidInput`).
 - Each piece is one row. The whitespace around and between the pieces (spaces, line breaks,
-  blank lines, indentation) is kept verbatim and put back around their outputs, so the joined
-  output has the text's paragraphs and lines. A piece that has no tokens is kept verbatim too.
+  blank lines, indentation) and the list mark a piece starts with (`*`, `-`, `+` or `•`, then
+  a space) are kept verbatim and put back around their outputs, so the joined output has the
+  text's paragraphs, lines and lists. A piece that has no tokens is kept verbatim too.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import sentencex
 
 from service.errors import InvalidInput
 
-# A run of whitespace holding a line break: where a line ends.
-_LINE_BREAK = re.compile(r"(\s*[\n\r\u2028\u2029]\s*)")
+_LINE_BREAK = re.compile(r"([\n\r\u2028\u2029])")  # one character: no backtracking
 _WORD = re.compile(r"\S+")
+_LIST_MARK = re.compile(r"[*+\-\u2022]\s+")
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ def split(text: str, tokenizer: Any, limit: int, language: str, where: str) -> D
 
 
 def _pieces(text: str, language: str) -> tuple[list[str], list[str]]:
-    """The sentences of each line of `text` without their surrounding whitespace, and the
-    whitespace around and between them (one more than the sentences)."""
+    """The sentences of each line of `text` without their surrounding whitespace and list
+    marks, and what is around and between them (one more than the sentences)."""
     separators: list[str] = [""]
     pieces: list[str] = []
     parts = _LINE_BREAK.split(text)  # line, break, line, ..., line
@@ -94,12 +95,18 @@ def _pieces(text: str, language: str) -> tuple[list[str], list[str]]:
         if i % 2:
             separators[-1] += part
             continue
-        for sentence in sentencex.segment(language, part):
+        sentences = list(sentencex.segment(language, part))
+        if "".join(sentences) != part:  # the segmenter must only cut; else the line is one piece
+            sentences = [part]
+        for sentence in sentences:
             core = sentence.strip()
             if not core:
                 separators[-1] += sentence
                 continue
             start = sentence.index(core)
+            mark = _LIST_MARK.match(core)
+            if mark is not None:
+                start, core = start + mark.end(), core[mark.end():]
             separators[-1] += sentence[:start]
             pieces.append(core)
             separators.append(sentence[start + len(core):])

@@ -104,13 +104,17 @@ def prepare(
                         truncated if truncate not in (None, False) else None)
     window = source_limit(runtime, settings)
     language = source_language(runtime)
-    docs = [documents.split(text, runtime.tokenizer, window, language, name)
-            for text, name in zip(texts, names, strict=True)]
-    rows = sum(document.rows for document in docs)
+    # at most what one batch worker's queue holds: more would be a 429 that no retry clears
     most = min(settings.max_segments, entry.batcher.limits.max_queue_size)
-    if rows > most:
-        raise InvalidInput(f"{names[0] if len(texts) == 1 else 'texts'}: {rows} sentences "
-                           f"(rows for the model); at most {most} in one request")
+    docs: list[Document] = []
+    rows = 0
+    for text, name in zip(texts, names, strict=True):
+        docs.append(documents.split(text, runtime.tokenizer, window, language, name))
+        rows += docs[-1].rows
+        if rows > most:
+            counted = f"{rows} sentences" if len(docs) == len(texts) else f"over {most} sentences"
+            raise InvalidInput(f"{names[0] if len(texts) == 1 else 'texts'}: {counted} "
+                               f"(rows for the model); at most {most} in one request")
     eos = runtime.tokenizer.eos_id
     sources = [[*ids, eos] for document in docs for ids in document.ids]
     return Prepared(entry, list(texts), sources, beam_size, limit, started, docs)
