@@ -19,7 +19,7 @@ from service.api.documents import split
 from service.errors import InvalidInput
 from tests.service.api.test_routes import assert_error
 from tests.service.conftest import AppFactory, serving
-from tests.service.fakes import CharTokenizer, FakeLoader, FakeModel
+from tests.service.fakes import CharTokenizer, FakeModel
 
 TOKENIZER = CharTokenizer()
 
@@ -290,7 +290,7 @@ async def test_summarize_truncates_when_asked(make_app: AppFactory) -> None:
      ("5", "truncate"), (1.5, "truncate")],
 )
 async def test_bad_truncate_is_422(make_app: AppFactory, truncate: Any, message: str) -> None:
-    async with serving(make_app(loader=FakeLoader())) as client:
+    async with serving(make_app()) as client:
         response = await client.post("/v1/summarize", json={"text": "abc", "truncate": truncate})
     error = assert_error(response, 422, "invalid_input")
     assert re.search(message, error["error"]), error
