@@ -5,6 +5,7 @@ from __future__ import annotations
 
 MAX_TEXTS = 256
 MAX_TEXT_CHARS = 100_000
+MAX_SEGMENTS = 4096  # rows one request's texts may be split into
 MAX_BEAM_SIZE = 8
 MAX_NEW_TOKENS = 4096
 MAX_ATTENTION_INDICES = 256  # layers or heads listed in one /v1/attention request

@@ -96,6 +96,16 @@ class Settings(BaseSettings):
     # Input limits (at most the hard caps of `service.api.schemas`).
     max_texts: int = Field(default=16, ge=1, le=limits.MAX_TEXTS)
     max_text_chars: int = Field(default=2000, ge=1, le=limits.MAX_TEXT_CHARS)
+    max_document_chars: int = Field(
+        default=20_000, ge=1, le=limits.MAX_TEXT_CHARS,
+        description="characters per text on translation models, which split long texts into "
+        "sentences (other tasks: max_text_chars)",
+    )
+    max_segments: int = Field(
+        default=128, ge=1, le=limits.MAX_SEGMENTS,
+        description="rows one translation request may make, its texts split into sentences "
+        "(and at most the queue of one batch worker)",
+    )
     max_input_tokens: int | None = Field(
         default=None, ge=1, description="source tokens per text; None = the model's limit"
     )

@@ -2,8 +2,9 @@
 
 A model takes one BYTES input tensor `text` (any shape, usually `[N]`; one text per element)
 and gives two BYTES output tensors of the same shape: `output` (the generated texts) and
-`finish_reason` ("eos" or "length"). Request parameters `max_new_tokens` and `beam_size` are
-the options of `/v1/translate`; `binary_data_output` is the protocol's own.
+`finish_reason` ("eos" or "length"). Request parameters `max_new_tokens`, `beam_size` and
+(summarization) `truncate` are the options of `/v1/translate` and `/v1/summarize`;
+`binary_data_output` is the protocol's own.
 
 Tensors travel as JSON (`"data": ["...", ...]`) or with the binary tensor data extension:
 the body is the JSON header (its length in the `Inference-Header-Content-Length` header), then
@@ -138,6 +139,7 @@ class InferParameters(BaseModel):
 
     max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] | None = None
     beam_size: Annotated[int, Field(ge=1, le=MAX_BEAM_SIZE)] = 1
+    truncate: Annotated[int, Field(ge=1)] | StrictBool | None = None
     binary_data_output: StrictBool = False
 
 
@@ -170,6 +172,7 @@ class Inference:
     max_new_tokens: int | None
     beam_size: int
     outputs: dict[str, bool]  # output name -> in binary
+    truncate: int | bool | None = None
 
 
 def parse_request(body: bytes, header_length: str | None) -> Inference:
@@ -201,7 +204,7 @@ def parse_request(body: bytes, header_length: str | None) -> Inference:
                 raise InvalidInput(f"outputs.{requested.name}: binary_data must be a boolean")
             outputs[requested.name] = binary_flag
     return Inference(request.id, texts, list(tensor.shape), parameters.max_new_tokens,
-                     parameters.beam_size, outputs)
+                     parameters.beam_size, outputs, parameters.truncate)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:

@@ -4,6 +4,11 @@ Shared by `/v1/translate` and `/v1/summarize` (plain and streamed, `service.api.
 the KServe v2 infer route (`service.api.open_inference`): the configured limits, tokenization within the
 model's limits, the token budget, admission into the model's batcher under the request's
 deadline, and detokenization into `Output`s with their usage.
+
+A text is one row, except on translation models, which split a text into sentences when it holds
+several or exceeds the model's window (`service.api.documents`); the rows of all the texts of a
+request go to the batcher together, and each text's output joins its rows' outputs. A text
+longer than the window is otherwise refused, or, with `truncate`, cut to its first tokens.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from service.api import documents
 from service.api.deadline import Deadline
 from service.api.disconnect import unless_disconnected
+from service.api.documents import Document
 from service.api.schemas import Output, Usage
 from service.batching.batcher import Generated
 from service.errors import DeadlineExceeded, InvalidInput
@@ -28,23 +35,35 @@ from service.settings import Settings
 
 T = TypeVar("T")
 
+TRANSLATE = "translate"  # the task whose texts are split into sentences
+
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request checked and tokenized, ready for the batcher."""
+    """A request checked and tokenized, ready for the batcher: its texts' rows, in order."""
 
     entry: ModelEntry
     texts: list[str]
-    sources: list[list[int]]  # token ids of each text, ending with EOS
+    sources: list[list[int]]  # token ids of each row, ending with EOS: each text's rows in turn
     beam_size: int
     max_new_tokens: int
     started: float  # time.perf_counter() when the request arrived
+    documents: list[Document]  # each text's rows and layout
+    truncated: list[bool] | None = None  # with `truncate`: whether each text was cut
 
     @property
     def runtime(self) -> Runtime:
         """The model's runtime (ready: resolved by the registry)."""
         assert self.entry.runtime is not None
         return self.entry.runtime
+
+    def rows(self) -> list[range]:
+        """The indices in `sources` of each text's rows."""
+        ranges, start = [], 0
+        for document in self.documents:
+            ranges.append(range(start, start + document.rows))
+            start += document.rows
+        return ranges
 
 
 def prepare(
@@ -55,18 +74,50 @@ def prepare(
     settings: Settings,
     where: Sequence[str] | None = None,
     started: float | None = None,
+    truncate: int | bool | None = None,
+    whole_texts: bool = False,
 ) -> Prepared:
     """Check the texts and options against the limits and tokenize them (`InvalidInput`).
 
-    `where` names each text in error messages (default `texts.<i>`).
+    `where` names each text in error messages (default `texts.<i>`). A translation model's texts
+    are split into rows (`service.api.documents`) unless `whole_texts`; `truncate` (other
+    tasks) keeps a text's first tokens (`true`: as many as the model takes) instead of refusing
+    a longer text.
     """
     assert entry.runtime is not None and entry.batcher is not None
+    runtime = entry.runtime
     names = list(where) if where is not None else [f"texts.{i}" for i in range(len(texts))]
-    check_texts(texts, names, settings)
-    sources = encode(entry.runtime, texts, names, settings)
-    limit = max_new_tokens_for(max_new_tokens, entry.runtime, settings)
-    return Prepared(entry, list(texts), sources, beam_size, limit,
-                    time.perf_counter() if started is None else started)
+    translating = runtime.task == TRANSLATE
+    if translating and truncate not in (None, False):
+        raise InvalidInput("truncate: translation splits long texts into sentences; "
+                           "truncate is for summarization")
+    split = translating and not whole_texts
+    check_texts(texts, names, settings,
+                settings.max_document_chars if split else settings.max_text_chars)
+    limit = max_new_tokens_for(max_new_tokens, runtime, settings)
+    started = time.perf_counter() if started is None else started
+    if not split:
+        sources, truncated = encode(runtime, texts, names, settings, truncate)
+        whole = [documents.whole(text, source[:-1])
+                 for text, source in zip(texts, sources, strict=True)]
+        return Prepared(entry, list(texts), sources, beam_size, limit, started, whole,
+                        truncated if truncate not in (None, False) else None)
+    window = source_limit(runtime, settings)
+    language = source_language(runtime)
+    # at most what one batch worker's queue holds: more would be a 429 that no retry clears
+    most = min(settings.max_segments, entry.batcher.limits.max_queue_size)
+    docs: list[Document] = []
+    rows = 0
+    for text, name in zip(texts, names, strict=True):
+        docs.append(documents.split(text, runtime.tokenizer, window, language, name))
+        rows += docs[-1].rows
+        if rows > most:
+            counted = f"{rows} sentences" if len(docs) == len(texts) else f"over {most} sentences"
+            raise InvalidInput(f"{names[0] if len(texts) == 1 else 'texts'}: {counted} "
+                               f"(rows for the model); at most {most} in one request")
+    eos = runtime.tokenizer.eos_id
+    sources = [[*ids, eos] for document in docs for ids in document.ids]
+    return Prepared(entry, list(texts), sources, beam_size, limit, started, docs)
 
 
 async def generate(
@@ -87,15 +138,26 @@ async def generate(
                                  budget_s=deadline.budget_s if deadline is not None else None)
 
 
-def output(runtime: Runtime, source: list[int], result: Generated, **extra: Any) -> Output:
-    """The transport form of one generated row."""
-    return Output(
-        text=runtime.tokenizer.decode(result.tokens),
-        finish_reason=result.finish_reason,  # type: ignore[arg-type]
-        input_tokens=len(source),
-        output_tokens=len(result.tokens),
-        **extra,
-    )
+def outputs(
+    prepared: Prepared, results: Sequence[Generated], extras: Sequence[dict[str, Any]] | None = None
+) -> list[Output]:
+    """The output of each text: its rows' outputs joined into its layout, "length" when a row
+    reached its token limit, and the tokens summed over its rows (each row's source with EOS)."""
+    decode = prepared.runtime.tokenizer.decode
+    texts = []
+    for i, (document, rows) in enumerate(zip(prepared.documents, prepared.rows(), strict=True)):
+        extra = dict(extras[i]) if extras is not None else {}
+        if prepared.truncated is not None:
+            extra["truncated"] = prepared.truncated[i]
+        ended = [results[row] for row in rows]
+        texts.append(Output(
+            text=document.join([decode(result.tokens) for result in ended]),
+            finish_reason="length" if any(r.finish_reason == "length" for r in ended) else "eos",
+            input_tokens=sum(len(prepared.sources[row]) for row in rows),
+            output_tokens=sum(len(result.tokens) for result in ended),
+            **extra,
+        ))
+    return texts
 
 
 def usage(outputs: Sequence[Output]) -> Usage:
@@ -128,38 +190,59 @@ async def within_deadline(
         raise DeadlineExceeded(f"no result within the deadline of {budget_s:g}s") from None
 
 
-def check_texts(texts: list[str], where: Sequence[str], settings: Settings) -> None:
-    """The configured count and character limits (the schema holds only the hard caps)."""
+def check_texts(
+    texts: list[str], where: Sequence[str], settings: Settings, max_chars: int | None = None
+) -> None:
+    """The configured count and character limits (`max_chars`, default `max_text_chars`; the
+    schema holds only the hard caps)."""
+    max_chars = settings.max_text_chars if max_chars is None else max_chars
     if not texts:
         raise InvalidInput("texts: at least one text is needed")
     if len(texts) > settings.max_texts:
         raise InvalidInput(f"texts: {len(texts)} texts; at most {settings.max_texts} allowed")
     for i, text in enumerate(texts):
-        if len(text) > settings.max_text_chars:
-            raise InvalidInput(
-                f"{where[i]}: {len(text)} characters; "
-                f"at most {settings.max_text_chars} allowed"
-            )
+        if len(text) > max_chars:
+            raise InvalidInput(f"{where[i]}: {len(text)} characters; at most {max_chars} allowed")
 
 
-def encode(
-    runtime: Runtime, texts: list[str], where: Sequence[str], settings: Settings
-) -> list[list[int]]:
-    """Token ids of each text with EOS appended, within the model's source length."""
-    tokenizer = runtime.tokenizer
+def source_limit(runtime: Runtime, settings: Settings) -> int:
+    """Source tokens of one row, EOS excepted: the model's window, or `max_input_tokens`."""
     limit = runtime.max_source_len - 1  # room for EOS
     if settings.max_input_tokens is not None:
         limit = min(limit, settings.max_input_tokens)
-    sources = []
+    return limit
+
+
+def source_language(runtime: Runtime) -> str:
+    """The language of the model's sources (its manifest's), for sentence splitting."""
+    manifest = getattr(runtime, "manifest", None)
+    return str(getattr(manifest, "source_language", None) or "en")
+
+
+def encode(
+    runtime: Runtime, texts: list[str], where: Sequence[str], settings: Settings,
+    truncate: int | bool | None = None,
+) -> tuple[list[list[int]], list[bool]]:
+    """Token ids of each text with EOS appended, within the model's source length, and whether
+    `truncate` cut each one. A longer text is refused unless `truncate` keeps its first tokens."""
+    tokenizer = runtime.tokenizer
+    limit = source_limit(runtime, settings)
+    keep = limit
+    if truncate is not None and not isinstance(truncate, bool):
+        if truncate > limit:
+            raise InvalidInput(f"truncate: at most {limit} tokens for model {runtime.name!r}")
+        keep = truncate
+    cutting = truncate is not None and truncate is not False
+    sources, truncated = [], []
     for i, ids in enumerate(tokenizer.encode_batch(texts)):
         if not ids:
             raise InvalidInput(f"{where[i]}: the text has no tokens")
-        if len(ids) > limit:
-            raise InvalidInput(
-                f"{where[i]}: {len(ids)} tokens; at most {limit} allowed"
-            )
-        sources.append([*ids, tokenizer.eos_id])
-    return sources
+        if len(ids) > limit and not cutting:
+            hint = "" if runtime.task == TRANSLATE else " (`truncate` keeps the first ones)"
+            raise InvalidInput(f"{where[i]}: {len(ids)} tokens; at most {limit} allowed{hint}")
+        truncated.append(cutting and len(ids) > keep)
+        sources.append([*(ids[:keep] if cutting else ids), tokenizer.eos_id])
+    return sources, truncated
 
 
 def max_new_tokens_for(asked: int | None, runtime: Runtime, settings: Settings) -> int:

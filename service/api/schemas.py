@@ -80,6 +80,12 @@ class GenerateRequest(BaseModel):
         "beam search sends the final hypothesis's tokens), then a final event with the output "
         "and usage; one `text` only, without `return_attention`",
     )
+    truncate: Annotated[int, Field(ge=1)] | bool | None = Field(
+        None,
+        description="summarization: keep the first `truncate` source tokens of each text (`true`: "
+        "as many as the model takes) instead of refusing a longer text; outputs then report "
+        "`truncated`. Translation splits long texts into sentences instead",
+    )
     timeout_ms: int | None = Field(
         None, ge=1, le=MAX_TIMEOUT_MS,
         description="deadline of this request in milliseconds (also the X-Request-Timeout-Ms "
@@ -140,6 +146,9 @@ class Output(BaseModel):
     finish_reason: FinishReason
     input_tokens: int
     output_tokens: int
+    truncated: bool | None = Field(
+        None, description="with `truncate`: whether the text was cut to fit"
+    )
     attention: list[list[float]] | None = Field(
         None, description="[target token][source token]: last decoder layer, mean of heads"
     )

@@ -9,7 +9,12 @@ unknown models are ordinary JSON errors. Then the body (`text/event-stream`) is 
     data: {"done": true, "model": "...", "delta": "", "output": {...}, "usage": {...}}
 
 `text` is the detokenized output so far and `delta` what it adds to the text sent before, so
-the deltas of all events (the final one included) concatenate to the output. Greedy decoding
+the deltas of all events (the final one included) concatenate to the output. A text that a
+translation model splits into several rows (`service.api.documents`) streams its rows in order:
+they decode together, and the tokens of a row wait until the rows before it have ended; the
+whitespace between two rows comes in the delta of the next row's first event (the text's
+leading whitespace in the first event, its trailing whitespace in the final one), and `index`
+counts the tokens of the whole output. Greedy decoding
 streams each token as the worker thread decodes it (`RowHooks.on_token`, handed to the event
 loop with `call_soon_threadsafe`); beam search streams the tokens of the final hypothesis once
 it is chosen. With `return_alignment`, the final event's output carries the word alignment
@@ -57,20 +62,21 @@ def stream(
     prepared: Prepared, receive: Receive, settings: Settings, deadline: Deadline | None = None,
     alignment: bool = False,
 ) -> StreamingResponse:
-    """Admit the request's one row (raising `Overloaded`/`NotReady` now) and stream it, within
-    `deadline` (default `request_timeout_s`); with `alignment`, the final event's output has
-    its word alignment (the runtime gives attention weights: the route checked)."""
+    """Admit the request's rows (of its one text; raising `Overloaded`/`NotReady` now) and
+    stream them, within `deadline` (default `request_timeout_s`); with `alignment` (one row:
+    the route keeps the text whole), the final event's output has its word alignment."""
     batcher = prepared.entry.batcher
-    assert batcher is not None and len(prepared.sources) == 1
+    assert batcher is not None and len(prepared.texts) == 1
     loop = asyncio.get_running_loop()
-    tokens: asyncio.Queue[int] = asyncio.Queue()
-    hooks = RowHooks(on_token=_threadsafe_put(loop, tokens))
-    [future] = batcher.enqueue(
-        prepared.sources, prepared.beam_size, prepared.max_new_tokens, hooks=[hooks],
+    queues: list[asyncio.Queue[int]] = [asyncio.Queue() for _ in prepared.sources]
+    futures = batcher.enqueue(
+        prepared.sources, prepared.beam_size, prepared.max_new_tokens,
+        hooks=[RowHooks(on_token=_threadsafe_put(loop, queue)) for queue in queues],
         deadline=deadline.at if deadline is not None else None,
     )
     budget_s = deadline.budget_s if deadline is not None else settings.request_timeout_s
-    body = _events(prepared, future, tokens, receive, budget_s, settings if alignment else None)
+    body = _events(prepared, list(zip(futures, queues, strict=True)), receive, budget_s,
+                   settings if alignment else None)
     return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
 
 
@@ -83,19 +89,29 @@ def _threadsafe_put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[int]) 
 
 
 class _Text:
-    """The detokenized text of the tokens so far and what each token adds to it."""
+    """The detokenized text so far (the rows ended, with their separators, then the tokens of
+    the current row) and what each token adds to it."""
 
     def __init__(self, prepared: Prepared) -> None:
         self.tokenizer = prepared.runtime.tokenizer
-        self.ids: list[int] = []
+        [self.document] = prepared.documents
+        self.done = self.document.separators[0]  # the rows ended, each with the separator after it
+        self.ids: list[int] = []  # the current row's tokens
+        self.count = 0  # tokens of all rows
         self.sent = ""  # the concatenation of the deltas sent
 
     def add(self, token: int) -> dict[str, Any]:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        return {"index": len(self.ids) - 1,
+        self.count += 1
+        text = self.done + self.tokenizer.decode(self.ids)
+        return {"index": self.count - 1,
                 "token": {"id": token, "piece": self.tokenizer.pieces([token])[0]},
                 "delta": self._delta(text), "text": text}
+
+    def end_row(self, row: int, tokens: list[int]) -> None:
+        """Row `row` ended with `tokens`: the next tokens belong to the next row."""
+        self.done += self.tokenizer.decode(tokens) + self.document.separators[row + 1]
+        self.ids = []
 
     def _delta(self, text: str) -> str:
         """The new end of `text`; empty while it does not extend what was sent (a byte piece
@@ -108,8 +124,7 @@ class _Text:
 
 async def _events(
     prepared: Prepared,
-    future: asyncio.Future[Generated],
-    tokens: asyncio.Queue[int],
+    rows: list[tuple[asyncio.Future[Generated], asyncio.Queue[int]]],
     receive: Receive,
     budget_s: float,
     align_settings: Settings | None = None,
@@ -121,40 +136,47 @@ async def _events(
     text = _Text(prepared)
     gone = asyncio.ensure_future(_disconnected(receive))
     next_token: asyncio.Future[int] | None = None
+    results: list[Generated] = []
     try:
-        while True:
-            if next_token is None:
-                next_token = asyncio.ensure_future(tokens.get())
-            remaining = budget_s - (time.perf_counter() - prepared.started)
-            waiting: set[asyncio.Future[Any]] = {next_token, future, gone}
-            done, _ = await asyncio.wait(
-                waiting, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
-            )
-            if gone in done:
-                return  # `finally` cancels the row
-            if next_token in done:
-                yield event(text.add(next_token.result()))
+        for row, (future, tokens) in enumerate(rows):
+            while True:
+                if next_token is None:
+                    next_token = asyncio.ensure_future(tokens.get())
+                remaining = budget_s - (time.perf_counter() - prepared.started)
+                waiting: set[asyncio.Future[Any]] = {next_token, future, gone}
+                done, _ = await asyncio.wait(
+                    waiting, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
+                )
+                if gone in done:
+                    return  # `finally` cancels the rows
+                if next_token in done:
+                    yield event(text.add(next_token.result()))
+                    next_token = None
+                    continue
+                if future in done:
+                    break
+                metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()
+                raise DeadlineExceeded(
+                    f"no result within the deadline of {budget_s:g}s"
+                )
+            if next_token is not None:
+                next_token.cancel()
                 next_token = None
-                continue
-            if future in done:
-                break
-            metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()
-            raise DeadlineExceeded(
-                f"no result within the deadline of {budget_s:g}s"
-            )
-        while not tokens.empty():  # sent by the worker before the batch ended
-            yield event(text.add(tokens.get_nowait()))
-        result = future.result()
-        for token in result.tokens[len(text.ids):]:  # beam search: the final hypothesis
-            yield event(text.add(token))
-        extra: dict[str, Any] = {}
-        if align_settings is not None:
-            [extra["alignment"]] = await pipeline.within_deadline(
+            while not tokens.empty():  # sent by the worker before the batch ended
+                yield event(text.add(tokens.get_nowait()))
+            result = future.result()
+            for token in result.tokens[len(text.ids):]:  # beam search: the final hypothesis
+                yield event(text.add(token))
+            text.end_row(row, list(result.tokens))
+            results.append(result)
+        extras: list[dict[str, Any]] = [{} for _ in prepared.texts]
+        if align_settings is not None:  # one text, one row (`whole_texts`)
+            [extras[0]["alignment"]] = await pipeline.within_deadline(
                 batcher.run(attention_maps.word_alignments, prepared.runtime, prepared.texts,
-                            prepared.sources, [list(result.tokens)]),
+                            prepared.sources, [list(results[0].tokens)]),
                 entry, prepared.started, align_settings, budget_s=budget_s,
             )
-        out = pipeline.output(prepared.runtime, prepared.sources[0], result, **extra)
+        [out] = pipeline.outputs(prepared, results, extras)
         final = {"done": True, "model": entry.name, "delta": out.text[len(text.sent):]
                  if out.text.startswith(text.sent) else "",
                  "output": out.model_dump(exclude_none=True),
@@ -169,7 +191,8 @@ async def _events(
         gone.cancel()
         if next_token is not None:
             next_token.cancel()
-        batcher.cancel(future)  # nothing when the row finished; else it leaves the batch
+        for future, _ in rows:
+            batcher.cancel(future)  # nothing when the row finished; else it leaves the batch
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -383,7 +383,7 @@ def _traffic(stack: Stack, seconds: float) -> dict[str, int]:
                 text = SENTENCES[i % len(SENTENCES)] if route == "/v1/translate" else DESCRIPTION
                 body: dict[str, Any] = {"texts": [text, SENTENCES[(i + 1) % len(SENTENCES)]]}
                 if i % 7 == 3:
-                    body = {"text": "word " * 1000}  # over max_text_chars: 422
+                    body = {"text": "word " * 5000}  # over the character limits: 422
                 elif i % 7 == 5:
                     body["timeout_ms"] = 1  # passes before any result: 504
                 status = http.post(route, json=body).status_code

@@ -8,7 +8,10 @@ watching for the client to go away (`service.api.disconnect`), detokenization. W
 thread, gives their cross-attention (`service.generation.attention_maps.alignments`; exact for greedy and beam
 search alike); with `return_alignment`, one such pass gives their word alignments
 (`service.generation.attention_maps.word_alignments`). With `stream`, one text is answered with
-Server-Sent Events (`service.api.streaming`), the alignment in its final event.
+Server-Sent Events (`service.api.streaming`), the alignment in its final event. Translation
+splits long texts into sentences, unless `return_attention` or `return_alignment` (which relate
+one source to one output); summarization refuses a text longer than the model's window unless
+`truncate`.
 """
 
 from __future__ import annotations
@@ -81,14 +84,14 @@ async def _generate(
     needs_maps = body.return_attention or body.return_alignment
     maps_runtime = attention_runtime(runtime) if needs_maps else None
     prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
-                                where, started)
+                                where, started, body.truncate, whole_texts=needs_maps)
     deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
         return streaming.stream(prepared, request.receive, settings, deadline,
                                 alignment=body.return_alignment)
     sources = prepared.sources
     results = await pipeline.generate(prepared, settings, deadline, request)
-    extras: list[dict[str, Any]] = [{} for _ in results]
+    extras: list[dict[str, Any]] = [{} for _ in texts]  # one row per text with either option (`whole_texts`)
     if maps_runtime is not None and body.return_alignment:
         found = await within_deadline(
             entry.batcher.run(attention_maps.word_alignments, maps_runtime, texts, sources,
@@ -107,10 +110,7 @@ async def _generate(
             source_tokens, target_tokens = _alignment_labels(runtime, texts[i], *generated[i])
             extra.update(attention=maps[i], source_tokens=source_tokens,
                          target_tokens=target_tokens)
-    outputs = [
-        pipeline.output(runtime, source, result, **extra)
-        for source, result, extra in zip(sources, results, extras, strict=True)
-    ]
+    outputs = pipeline.outputs(prepared, results, extras)
     return GenerateResponse(model=entry.name, outputs=outputs, usage=pipeline.usage(outputs))
 
 

@@ -148,11 +148,11 @@ async def infer(
                                      request.headers.get(open_inference.HEADER_LENGTH))
     where = [f"inputs.{open_inference.INPUT}[{i}]" for i in range(len(inference.texts))]
     prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
-                                inference.max_new_tokens, settings, where)
+                                inference.max_new_tokens, settings, where,
+                                truncate=inference.truncate)
     deadline = request_deadline(request, None, settings, prepared.started)  # header only
     results = await pipeline.generate(prepared, settings, deadline, request)
-    outputs = [pipeline.output(prepared.runtime, source, result)
-               for source, result in zip(prepared.sources, results, strict=True)]
+    outputs = pipeline.outputs(prepared, results)
     values: dict[str, list[str]] = {"output": [o.text for o in outputs],
                                     "finish_reason": [o.finish_reason for o in outputs]}
     body, header_length = open_inference.response_body(entry.name, inference, values)
