@@ -63,7 +63,7 @@ gpu-wheels: venv-dev
 	rm -rf $(WHEELS) && mkdir -p $(WHEELS)
 	$(BIN)/pip download -q --only-binary=:all: --python-version 3.12 --implementation cp $(PLATFORMS) \
 		-d $(WHEELS) '$(ORT_GPU)' fastapi 'uvicorn[standard]' pydantic pydantic-settings \
-		prometheus-client sentencepiece sentencex
+		prometheus-client sentencepiece sentencex ctranslate2
 	$(BIN)/python -m build -q --wheel --outdir $(WHEELS) .
 	$(BIN)/python bench/gpu_offline.py split $(WHEELS)/onnxruntime_gpu-*.whl --max-mb $(PART_MB) --remove
 

@@ -5,9 +5,12 @@
 2. The `gpu`-marked tests (`pytest -m gpu`), their JUnit XML kept beside the results.
 3. A short benchmark on the provider, in one run: the service over HTTP at each
    `--concurrency` (its p50 at concurrency 1 is the single-request latency); the service's
-   graphs in-process at each `--batch-sizes`; and the alternative that runs on the same GPU
-   without our code: the repository's PyTorch model with its KV cache, batched, in fp16
-   autocast. GPU memory in use is read from `nvidia-smi` after each part.
+   graphs in-process at each `--batch-sizes`; and the alternatives that run on the same GPU
+   without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
+   the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
+   the repository's PyTorch model with its KV cache, batched, in fp16 autocast. The target line
+   compares the service at its top concurrency with the fastest of them. GPU memory in use is
+   read from `nvidia-smi` after each part.
 4. Writes `<out>/<gpu name>/gpu-check.json` and `gpu-check.md`: every number, the device, the
    driver, onnxruntime's version and the provider each part actually ran on.
 
@@ -113,6 +116,43 @@ def torch_baseline(model_dir: Path, sources: list[list[int]], batch_sizes: list[
     return {"device": device, "precision": precision, "batches": runs}
 
 
+def ctranslate2_baseline(model_dir: Path, pieces: list[list[str]], batch_sizes: list[int], max_new_tokens: int,
+                         device: str) -> dict[str, Any]:
+    """CTranslate2 on the repository's weights, greedy `translate_batch` at each batch size, in
+    each compute type its users pick on `device`; `error` says why it could not run."""
+    import tempfile
+
+    try:
+        import ctranslate2
+
+        from bench import ctranslate2_converter, ctranslate2_runs
+    except ImportError as error:
+        return {"error": f"ctranslate2 not installed ({error})"}
+    compute_types = ("float16", "int8_float16") if device == "cuda" else ("int8",)
+    runs: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="ct2-") as tmp:
+            ct2_dir = ctranslate2_converter.convert(model_dir, Path(tmp) / "m")
+            for compute_type in compute_types:
+                translator = ctranslate2.Translator(str(ct2_dir), device=device, compute_type=compute_type)
+                runs[compute_type] = {
+                    str(b): ctranslate2_runs.run_batch(translator, pieces, 1, max_new_tokens, max_batch_size=b)[0].to_dict()
+                    for b in batch_sizes}
+                del translator
+    except (RuntimeError, ValueError, OSError) as error:  # a wheel built for another CUDA, no device: recorded
+        return {"error": f"{type(error).__name__}: {error}", "compute_types": runs}
+    return {"device": device, "version": ctranslate2.__version__, "compute_types": runs}
+
+
+def best_alternative(report: dict[str, Any]) -> tuple[str, float] | None:
+    """The fastest same-device alternative run (name, sentences/s) of a model's report."""
+    runs = [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s["sentences_per_s"])
+            for b, s in report.get("pytorch", {}).get("batches", {}).items()]
+    for compute_type, batches in report.get("ctranslate2", {}).get("compute_types", {}).items():
+        runs += [(f"CTranslate2 {compute_type}, batch {b}", s["sentences_per_s"]) for b, s in batches.items()]
+    return max(runs, key=lambda run: run[1], default=None)
+
+
 def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences: int, concurrency: list[int],
             batch_sizes: list[int], out: Path) -> dict[str, Any]:
     """Steps 3 of the module docstring for one model."""
@@ -147,7 +187,28 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
 
     device = "cuda" if provider == CUDA else "cpu"
     report["pytorch"] = torch_baseline(models / model, sources, batch_sizes, max_new_tokens, device)
+    if manifest.task == "translate":
+        pieces = [workload_tokenizer_pieces(models / model, ids) for ids in sources]
+        report["ctranslate2"] = ctranslate2_baseline(models / model, pieces, batch_sizes, max_new_tokens, device)
+    best = best_alternative(report)
+    top = report["service"][str(max(concurrency))]["sentences_per_s"]
+    report["target"] = {"service_concurrency": max(concurrency), "service_sentences_per_s": top,
+                        "best_alternative": best[0] if best else None,
+                        "ratio": top / best[1] if best and best[1] else None, "bound": 1.0}
     return report
+
+
+def workload_tokenizer_pieces(model_dir: Path, ids: list[int]) -> list[str]:
+    """The SentencePiece pieces of `ids` with the repository's tokenizer (CTranslate2 takes pieces)."""
+    import sentencepiece as spm
+
+    processor = _processors.get(model_dir)
+    if processor is None:
+        processor = _processors[model_dir] = spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    return [processor.id_to_piece(i) for i in ids]
+
+
+_processors: dict[Path, Any] = {}
 
 
 def _get(url: str) -> str:
@@ -173,11 +234,21 @@ def markdown(results: dict[str, Any]) -> str:
         rows += [(f"ONNX in-process, batch {b}", s) for b, s in report["in_process"].items()]
         rows += [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s)
                  for b, s in report["pytorch"]["batches"].items()]
+        ct2 = report.get("ctranslate2", {})
+        rows += [(f"CTranslate2 {compute_type}, batch {b}", s)
+                 for compute_type, batches in ct2.get("compute_types", {}).items() for b, s in batches.items()]
         for name, s in rows:
             p50 = "-" if s["latency_p50_s"] is None else f"{s['latency_p50_s']:.4f}"
             p95 = "-" if s["latency_p95_s"] is None else f"{s['latency_p95_s']:.4f}"
             lines.append(f"| {name} | {s['sentences_per_s']:.1f} | {s['tokens_per_s']:.0f} | {p50} | {p95} |")
         memory = report.get("memory_during_service") or {}
+        if ct2.get("error"):
+            lines += ["", f"CTranslate2: {ct2['error']}"]
+        target = report.get("target", {})
+        if target.get("ratio") is not None:
+            status = "met" if target["ratio"] >= target["bound"] else "missed"
+            lines += ["", (f"Service at concurrency {target['service_concurrency']} / best alternative "
+                           f"({target['best_alternative']}): **{target['ratio']:.2f}** (bound ≥ 1.0: {status}).")]
         lines += ["", (f"GPU memory in use while serving: {memory.get('memory_used_mib', '-')} MiB "
                        f"of {memory.get('memory_total_mib', '-')}."), ""]
     return "\n".join(lines)

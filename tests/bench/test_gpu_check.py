@@ -39,4 +39,11 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert set(report["service"]) == {"1", "4"} and set(report["in_process"]) == {"8"}
     for stats in [*report["service"].values(), *report["in_process"].values(), *report["pytorch"]["batches"].values()]:
         assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
-    assert "| service, concurrency 4 |" in (folder / "gpu-check.md").read_text()
+    # the same-device alternatives: CTranslate2 on the CPU (int8) beside PyTorch, and the target line
+    assert set(report["ctranslate2"]["compute_types"]) == {"int8"}
+    assert report["ctranslate2"]["compute_types"]["int8"]["8"]["sentences"] == 24
+    assert report["target"]["service_concurrency"] == 4 and report["target"]["ratio"] > 0
+    assert report["target"]["best_alternative"].startswith(("CTranslate2", "PyTorch"))
+    text = (folder / "gpu-check.md").read_text()
+    assert "| service, concurrency 4 |" in text and "| CTranslate2 int8, batch 8 |" in text
+    assert "Service at concurrency 4 / best alternative" in text
