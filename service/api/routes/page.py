@@ -2,7 +2,8 @@
 
 The page is read once, when this module is imported, from the `service.api` package's
 `static/index.html` (packaged as package data); it talks to the server only through `/v1/*`,
-sending the bearer token its visitor typed in (kept in the tab's sessionStorage).
+sending the bearer token its visitor gives (in its header field, or in the dialog it opens on a
+401; kept in the tab's sessionStorage).
 
 It is served with security headers: a Content-Security-Policy that runs only the page's own
 inline script (by its sha256, computed here), allows inline styles (the heatmap colours its

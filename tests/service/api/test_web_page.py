@@ -1,5 +1,6 @@
 """The web page `GET /` in headless Chromium, against the real app: type, translate, read the
-attention heatmap.
+attention heatmap, the model view (every layer × head), the word alignment and the confidence
+shading; the API token dialog; the fallback when the maps exceed the server's cell limit.
 
 The app serves the tiny reversal model (onnxruntime, CPU) twice: as a translation model and,
 with its manifest's task changed, as a summarization model, so that both buttons of the page
@@ -10,6 +11,7 @@ work. Its vocabulary is the letters a-o, and it reverses the pieces of its input
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import urllib.parse
@@ -109,6 +111,20 @@ def shape(browser: Browser) -> tuple[int, int]:
     return rows, cols
 
 
+def tiles(browser: Browser) -> list[tuple[int, str]]:
+    """The model view's thumbnails, as (layer, head) in page order."""
+    return [(int(layer), head) for layer, head in browser.evaluate(
+        "[...document.querySelectorAll('#model-grid .mv-tile')].map(t => [t.dataset.layer, t.dataset.head])")]
+
+
+def translate(browser: Browser, text: str) -> None:
+    """Type `text` in the input (replacing what was there) and click Translate; wait until done."""
+    browser.evaluate("document.getElementById('source').value = ''")
+    browser.type_text("#source", text)
+    browser.click("#translate")
+    browser.wait_for("document.body.dataset.phase === 'done'")
+
+
 def assert_grid(browser: Browser, rows: int, cols: int) -> None:
     """The heatmap has rows × cols cells, one per (query, key), and labels on both axes."""
     found = cells(browser)
@@ -138,6 +154,9 @@ def test_translate_then_explore_the_heatmap(
     plain = post(base_url, "/v1/translate", {"text": SOURCE})["outputs"][0]
     translation = plain["text"]
     assert browser.evaluate("document.getElementById('output').textContent") == translation
+    # This server gives no token scores: nothing is shaded, and no legend is shown.
+    assert browser.evaluate("[document.querySelectorAll('#output .tok').length,"
+                            " !!document.getElementById('confidence-legend')]") == [0, False]
 
     # The page streamed it: one token event at a time (Server-Sent Events), then the output.
     generated = [r for r in browser.requests() if r["url"].endswith("/v1/translate")]
@@ -254,33 +273,243 @@ def test_server_errors_are_shown(browser: Browser, base_url: str) -> None:
     assert browser.evaluate("document.getElementById('heatmap').hidden")
 
 
-def test_a_server_with_an_api_key_is_used_with_the_token_typed_in(
+def test_the_model_view_shows_every_layer_and_head(browser: Browser, base_url: str) -> None:
+    """One thumbnail per layer × head of the kind shown; a click, or the keys, open one above."""
+    browser.set_color_scheme("light")
+    browser.goto(base_url + "/")
+    browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+    translate(browser, SOURCE)
+    body = json.loads([r for r in browser.requests() if r["url"].endswith("/v1/attention")][-1]["postData"])
+    expected = post(base_url, "/v1/attention", {**body, "kinds": ["cross", "encoder"]})["attention"]
+    for kind in ("cross", "encoder"):
+        if kind != "cross":
+            show_kind(browser, kind)
+        layers, heads = len(expected[kind]), len(expected[kind][0])
+        assert (layers, heads) == (2, 4)  # the tiny model's
+        assert tiles(browser) == [(layer, str(head)) for layer in range(layers) for head in range(heads)]
+        assert browser.evaluate("document.getElementById('model-grid').dataset.kind") == kind
+        labels = browser.evaluate("[...document.querySelectorAll('#model-grid .mv-tile')]"
+                                  ".map(t => t.getAttribute('aria-label'))")
+        assert labels[heads + 1].endswith("layer 1, head 1")
+        # A click opens the map in the heatmap, its selects, and marks its tile.
+        browser.click('#model-grid .mv-tile[data-layer="0"][data-head="1"]')
+        assert browser.evaluate("[heatmap.dataset.kind, heatmap.dataset.layer, heatmap.dataset.head,"
+                                " document.getElementById('layer').value,"
+                                " document.getElementById('head').value]") == [kind, "0", "1", "0", "1"]
+        shown = [c["w"] for c in cells(browser)]
+        assert shown == pytest.approx([w for row in expected[kind][0][1] for w in row], abs=1e-6)
+        selected = browser.evaluate("[...document.querySelectorAll('#model-grid .mv-tile"
+                                    "[aria-selected=\"true\"]')].map(t => t.dataset.layer + '/' + t.dataset.head)")
+        assert selected == ["0/1"]
+
+    # Keyboard: the grid is one tab stop; arrows move between thumbnails, Enter opens one.
+    assert browser.evaluate("document.querySelectorAll('#model-grid .mv-tile[tabindex=\"0\"]').length") == 1
+    browser.evaluate("document.querySelector('#model-grid .mv-tile[tabindex=\"0\"]').focus()")
+    for key in ("ArrowDown", "ArrowRight", "ArrowRight", "Enter"):
+        browser.press(key)
+    assert browser.evaluate("[document.activeElement.dataset.layer, document.activeElement.dataset.head,"
+                            " heatmap.dataset.layer, heatmap.dataset.head]") == ["1", "3", "1", "3"]
+    shown = [c["w"] for c in cells(browser)]
+    assert shown == pytest.approx([w for row in expected["encoder"][1][3] for w in row], abs=1e-6)
+    assert browser.page_errors() == []
+
+
+def test_the_word_alignment_is_drawn_as_links(browser: Browser, base_url: str) -> None:
+    """The page asks for the alignment with the maps and draws one link per Pharaoh link;
+    hovering a word highlights its links and the words at their other ends."""
+    browser.goto(base_url + "/")
+    browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+    translate(browser, SOURCE)
+    sent = [json.loads(r["postData"]) for r in browser.requests() if r["url"].endswith("/v1/attention")]
+    assert sent[-1]["alignment"] is True
+    alignment = post(base_url, "/v1/attention", sent[-1])["alignment"]
+    assert alignment["links"]
+    assert not browser.evaluate("document.getElementById('alignment-card').hidden")
+    drawn = browser.evaluate("[...document.querySelectorAll('#alignment .link')]"
+                             ".map(p => [+p.dataset.source, +p.dataset.target, p.getAttribute('d')])")
+    assert len(drawn) == len(alignment["links"])
+    assert sorted([i, j] for i, j, _ in drawn) == sorted(alignment["links"])
+    assert all(re.fullmatch(r"M[\d.]+ 0 C[\d. ]+", d) for _, _, d in drawn)
+    words = browser.evaluate("['source', 'target'].map(side => [...document.querySelectorAll("
+                             "`#alignment .word[data-side=\"${side}\"]`)].map(w => w.textContent))")
+    assert words == [[w["word"] for w in alignment["source_words"]],
+                     [w["word"] for w in alignment["target_words"]]]
+    assert browser.evaluate("document.getElementById('alignment-pharaoh').textContent") == alignment["pharaoh"]
+
+    source_word, target_word = alignment["links"][0]
+    browser.hover(f'#alignment .word[data-side="source"][data-index="{source_word}"]')
+    lit = browser.evaluate("[...document.querySelectorAll('#alignment .link.on')]"
+                           ".map(p => [+p.dataset.source, +p.dataset.target])")
+    assert sorted(lit) == sorted(link for link in alignment["links"] if link[0] == source_word)
+    assert browser.evaluate(f"document.querySelector('#alignment .word[data-side=\"target\"]"
+                            f"[data-index=\"{target_word}\"]').classList.contains('on')")
+    # Keyboard: one tab stop; the arrows move along a row, and down to an aligned word.
+    browser.evaluate("document.querySelector('#alignment .word[tabindex=\"0\"]').focus()")
+    browser.press("ArrowDown")
+    focused = browser.evaluate("[document.activeElement.dataset.side, +document.activeElement.dataset.index]")
+    first_link = next(link for link in alignment["links"] if link[0] == 0)
+    assert focused == ["target", first_link[1]]
+    assert browser.page_errors() == []
+
+
+def test_example_chips_fill_the_input(browser: Browser, base_url: str) -> None:
+    """The chips are in-domain examples (Debian package descriptions): a click fills the input
+    and runs its task; the page says which domain the default models know."""
+    browser.goto(base_url + "/")
+    browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+    chips = browser.evaluate("[...document.querySelectorAll('#examples .chip')]"
+                             ".map(c => [c.dataset.task, c.title])")
+    assert {task for task, _ in chips} == {"translate", "summarize"} and len(chips) >= 3
+    assert "Debian package descriptions" in browser.evaluate("document.getElementById('domain-note').textContent")
+    for index, (task, title) in enumerate(chips):
+        browser.click(f"#examples .chip:nth-of-type({index + 1})")
+        browser.wait_for("['done', 'error'].includes(document.body.dataset.phase)")
+        text = browser.evaluate("document.getElementById('source').value")
+        assert title.endswith(text) and len(text) > 20
+        sent = [json.loads(r["postData"]) for r in browser.requests() if r["url"].endswith(f"/v1/{task}")]
+        assert sent[-1]["text"] == text  # the tiny model knows only the letters a-o: any outcome
+
+
+def test_token_scores_shade_the_output(browser: Browser, base_url: str, tokenizer: Tokenizer) -> None:
+    """With `token_scores` in the output (here a stream given by a stand-in for `fetch`), each
+    generated token is shaded by 1 - exp(its log-probability), with a legend."""
+    ids = tokenizer.encode("ed cba")
+    deltas = [tokenizer.decode(ids[: i + 1])[len(tokenizer.decode(ids[:i])):] for i in range(len(ids))]
+    text = "".join(deltas)
+    scores = [-0.01, -2.3, -0.5, -0.05, -1.2, -0.0, -0.7][: len(ids)]
+    events = [{"index": i, "token": {"id": t, "piece": p}, "delta": d, "text": "".join(deltas[: i + 1])}
+              for i, (t, p, d) in enumerate(zip(ids, tokenizer.pieces(ids), deltas, strict=True))]
+    events.append({"done": True, "model": TRANSLATE_MODEL, "usage": {"input_tokens": 7, "output_tokens": len(ids)},
+                   "output": {"text": text, "finish_reason": "eos", "input_tokens": 7,
+                              "output_tokens": len(ids), "score": sum(scores), "token_scores": scores}})
+    stream = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+    browser.goto(base_url + "/")
+    browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+    browser.evaluate(
+        "(() => { const real = window.fetch; window.sentToTranslate = [];"
+        " window.fetch = (url, init) => { if (String(url).endsWith('/v1/translate')) {"
+        " window.sentToTranslate.push(JSON.parse(init.body));"
+        f" return Promise.resolve(new Response({json.dumps(stream)}, {{status: 200,"
+        " headers: {'Content-Type': 'text/event-stream'}})); } return real(url, init); }; })()")
+    translate(browser, SOURCE)
+    assert browser.evaluate("window.sentToTranslate[0].return_scores") is True
+    assert browser.evaluate("document.getElementById('output').textContent") == text
+    shaded = browser.evaluate("[...document.querySelectorAll('#output .tok')].map(t => [t.textContent,"
+                              " t.classList.contains('scored') ? +t.dataset.p : null,"
+                              " +getComputedStyle(t).getPropertyValue('--u')])")
+    assert [t for t, _, _ in shaded] == [d.lstrip() for d in deltas]  # spaces stay unshaded
+    for (_, p, u), score in zip(shaded, scores, strict=True):
+        assert p == pytest.approx(math.exp(score), abs=1e-4)
+        assert u == pytest.approx((1 - math.exp(score)) * 0.8, abs=1e-3)
+    assert browser.evaluate("!!document.getElementById('confidence-legend')")
+    # The unsure tokens get a visibly stronger background than the sure ones.
+    alphas = browser.evaluate("[...document.querySelectorAll('#output .tok')].map(t =>"
+                              " getComputedStyle(t).backgroundColor)")
+    assert alphas[1] != alphas[0]
+    # The explorer reads the shown output as usual (the real server, teacher-forced).
+    sent = [json.loads(r["postData"]) for r in browser.requests() if r["url"].endswith("/v1/attention")]
+    assert sent[-1]["target"] == text
+    assert browser.page_errors() == []
+
+
+def test_a_server_with_an_api_key_asks_for_the_token_once(
     browser: Browser, tiny_model_repository: Path, tmp_path: Path
 ) -> None:
-    """With an API key the page says it needs the token; the token typed in is kept in the
-    tab's sessionStorage only and sent as a bearer token; the page's CSP lets its script run."""
+    """On a 401 the page asks for the token (one dialog), keeps it in the tab's sessionStorage
+    only, retries, and sends it as a bearer token on every later call; a reload reuses it; a
+    refused token is asked for again; the page's CSP lets its script run."""
     token = "page-test-token"
     settings = Settings(models_dir=real_models(tiny_model_repository, tmp_path / "models"),
                         providers=("CPUExecutionProvider",), threads=1, variant="fp32",
                         api_key=token)
+    asked = "+(document.getElementById('token-dialog').dataset.asked || 0)"
     with serve(create_app(settings)) as url:
         wait_until_ready(url)
+        seen = len(browser.requests())
         browser.goto(url + "/")
-        browser.wait_for("document.getElementById('server-state-text').textContent"
-                         " === 'API token needed'")
-        browser.type_text("#api-token", token)
-        browser.evaluate("document.getElementById('api-token')"
-                         ".dispatchEvent(new Event('change', {bubbles: true}))")
+        browser.wait_for("document.getElementById('token-dialog').open")
+        assert browser.evaluate("document.getElementById('server-state-text').textContent") == "API token needed"
+        browser.type_text("#token-dialog-input", token)
+        browser.click("#token-dialog-ok")
         browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+        translate(browser, SOURCE)
+        translation = browser.evaluate("document.getElementById('output').textContent")
+        browser.click("#summarize")
+        browser.wait_for("document.body.dataset.phase === 'done'"
+                         " && document.getElementById('output-task').textContent.includes('summary')")
+        first = [browser.evaluate(asked), browser.evaluate("document.getElementById('token-dialog').open"),
+                 browser.evaluate("[sessionStorage.getItem('attnserve-api-token'), localStorage.length]")]
+        calls = [r for r in browser.requests()[seen:] if "/v1/" in r["url"]]
+
+        # A reload finds the token in the tab's session: no dialog.
+        seen = len(browser.requests())
+        browser.goto(url + "/")
+        browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+        reloaded = [browser.evaluate(asked),
+                    [r["headers"].get("Authorization") for r in browser.requests()[seen:] if "/v1/" in r["url"]]]
+
+        # A refused token is asked for again; cancelled, the next action asks once more.
+        browser.evaluate("sessionStorage.setItem('attnserve-api-token', 'wrong')")
+        browser.goto(url + "/")
+        browser.wait_for("document.getElementById('token-dialog').open")
+        refused = browser.evaluate("document.getElementById('token-dialog-text').textContent")
+        browser.click("#token-dialog-cancel")
+        browser.wait_for("!document.getElementById('token-dialog').open")
+        browser.evaluate("document.getElementById('source').value = ''")
         browser.type_text("#source", SOURCE)
         browser.click("#translate")
+        browser.wait_for("document.getElementById('token-dialog').open")
+        browser.type_text("#token-dialog-input", token)
+        browser.press("Enter")
         browser.wait_for("document.body.dataset.phase === 'done'")
-        stored = browser.evaluate("[sessionStorage.getItem('attnserve-api-token'),"
-                                  " localStorage.length]")
-        sent = [r for r in browser.requests() if r["url"].endswith("/v1/translate")]
+        again = [browser.evaluate(asked), browser.evaluate("document.getElementById('output').textContent"),
+                 browser.evaluate("sessionStorage.getItem('attnserve-api-token')")]
         errors = browser.page_errors()
         browser.evaluate("sessionStorage.clear()")  # the module's other tests run without a key
-    assert stored == [token, 0]
-    assert sent and sent[-1]["headers"].get("Authorization") == f"Bearer {token}"
-    assert browser.evaluate("document.getElementById('output').textContent").strip() == "ed cba"
+    assert first == [1, False, [token, 0]]
+    assert translation.strip() == "ed cba"
+    # Every call after the first 401 carried the token: models, translate, attention, summarize.
+    assert calls[0]["url"].endswith("/v1/models") and "Authorization" not in calls[0]["headers"]
+    assert {r["url"].rsplit("/", 1)[1] for r in calls[1:]} >= {"models", "translate", "attention", "summarize"}
+    assert all(r["headers"].get("Authorization") == f"Bearer {token}" for r in calls[1:])
+    assert reloaded[0] == 0 and reloaded[1] and all(h == f"Bearer {token}" for h in reloaded[1])
+    assert "refused" in refused
+    assert again == [2, translation, token]
     assert not [e for e in errors if "Content Security Policy" in e], errors
+
+
+def test_maps_over_the_cell_limit_fall_back_to_head_averages(
+    browser: Browser, tiny_model_repository: Path, tmp_path: Path
+) -> None:
+    """A 422 for too many weights (ATTNSERVE_ATTENTION_MAX_CELLS) brings each layer's average of
+    heads, said on the page; when even that is too many, the page says so."""
+    # "abc de" -> "ed cba": cross maps of 8 × 8; 2 decoder layers × 4 heads = 512 weights,
+    # their averages 128; the encoder maps of "abcdefg" (9 × 9), averaged: 162.
+    settings = Settings(models_dir=real_models(tiny_model_repository, tmp_path / "models"),
+                        providers=("CPUExecutionProvider",), threads=1, variant="fp32",
+                        attention_max_cells=128)
+    with serve(create_app(settings)) as url:
+        wait_until_ready(url)
+        browser.goto(f"{url}/?task=translate&autorun=1&text={urllib.parse.quote(SOURCE)}")
+        browser.wait_for("document.body.dataset.phase === 'done'")
+        sent = [json.loads(r["postData"]) for r in browser.requests() if r["url"].startswith(url)
+                and r["url"].endswith("/v1/attention")]
+        assert [body.get("average_heads", False) for body in sent] == [False, True]
+        averaged = post(url, "/v1/attention", sent[-1])["attention"]["cross"]
+        assert tiles(browser) == [(0, "avg"), (1, "avg")]
+        notice = browser.evaluate("document.getElementById('model-view-notice').textContent")
+        assert "ATTNSERVE_ATTENTION_MAX_CELLS" in notice
+        assert browser.evaluate("[...document.querySelectorAll('#head option')].map(o => o.value)") == ["avg"]
+        assert_grid(browser, 8, 8)
+        shown = [c["w"] for c in cells(browser)]
+        assert shown == pytest.approx([w for row in averaged[1][0] for w in row], abs=1e-6)
+        browser.click('#model-grid .mv-tile[data-layer="0"]')
+        assert [c["w"] for c in cells(browser)] == pytest.approx(
+            [w for row in averaged[0][0] for w in row], abs=1e-6)
+
+        browser.goto(f"{url}/?task=translate&autorun=1&kind=encoder&text=abcdefg")
+        browser.wait_for("document.body.dataset.phase === 'error'")
+        alert = browser.evaluate("document.getElementById('attn-error').innerText")
+        errors = browser.page_errors()
+    assert "422" in alert and "ATTNSERVE_ATTENTION_MAX_CELLS" in alert and "shorter text" in alert
+    assert not errors, errors
