@@ -13,7 +13,9 @@ the deltas of all events (the final one included) concatenate to the output. Gre
 streams each token as the worker thread decodes it (`RowHooks.on_token`, handed to the event
 loop with `call_soon_threadsafe`); beam search streams the tokens of the final hypothesis once
 it is chosen. With `return_alignment`, the final event's output carries the word alignment
-(one teacher-forced pass once the row finished, in the model's worker thread). A failure after
+(one teacher-forced pass once the row finished, in the model's worker thread); with
+`return_scores` or `num_hypotheses`, its scores and hypotheses (token events carry none). A
+target prefix's tokens are streamed first, as the decoder is forced through them. A failure after
 the stream started is one last event with the error body
 (`{"error": ..., "error_type": ...}`). When the client goes away, the row is cancelled: it
 leaves the queue, or the running batch at the next decoder step.
@@ -38,7 +40,6 @@ from service.api.pipeline import Prepared
 from service.batching.batcher import Generated
 from service.errors import DeadlineExceeded, InternalError, ServiceError
 from service.generation import attention_maps
-from service.generation.hooks import RowHooks
 from service.observability import metrics
 from service.settings import Settings
 
@@ -64,7 +65,7 @@ def stream(
     assert batcher is not None and len(prepared.sources) == 1
     loop = asyncio.get_running_loop()
     tokens: asyncio.Queue[int] = asyncio.Queue()
-    hooks = RowHooks(on_token=_threadsafe_put(loop, tokens))
+    hooks = prepared.options.row_hooks(0, on_token=_threadsafe_put(loop, tokens))
     [future] = batcher.enqueue(
         prepared.sources, prepared.beam_size, prepared.max_new_tokens, hooks=[hooks],
         deadline=deadline.at if deadline is not None else None,
@@ -154,6 +155,7 @@ async def _events(
                             prepared.sources, [list(result.tokens)]),
                 entry, prepared.started, align_settings, budget_s=budget_s,
             )
+        extra.update(prepared.options.extras(prepared.runtime, result))
         out = pipeline.output(prepared.runtime, prepared.sources[0], result, **extra)
         final = {"done": True, "model": entry.name, "delta": out.text[len(text.sent):]
                  if out.text.startswith(text.sent) else "",

@@ -8,11 +8,13 @@ watching for the client to go away (`service.api.disconnect`), detokenization. W
 thread, gives their cross-attention (`service.generation.attention_maps.alignments`; exact for greedy and beam
 search alike); with `return_alignment`, one such pass gives their word alignments
 (`service.generation.attention_maps.word_alignments`). With `stream`, one text is answered with
-Server-Sent Events (`service.api.streaming`), the alignment in its final event.
+Server-Sent Events (`service.api.streaming`), the alignment in its final event. Scores,
+n-best hypotheses and a target prefix: `service.api.decode_options`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -20,6 +22,7 @@ from fastapi import APIRouter, Request, Response
 
 from service.api import pipeline, streaming
 from service.api.deadline import request_deadline
+from service.api.decode_options import decode_options
 from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
@@ -82,6 +85,10 @@ async def _generate(
     maps_runtime = attention_runtime(runtime) if needs_maps else None
     prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
                                 where, started)
+    options = decode_options(runtime, len(texts), body.beam_size, prepared.max_new_tokens,
+                             return_scores=body.return_scores, num_hypotheses=body.num_hypotheses,
+                             target_prefix=body.target_prefix)
+    prepared = dataclasses.replace(prepared, options=options)
     deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
         return streaming.stream(prepared, request.receive, settings, deadline,
@@ -108,7 +115,7 @@ async def _generate(
             extra.update(attention=maps[i], source_tokens=source_tokens,
                          target_tokens=target_tokens)
     outputs = [
-        pipeline.output(runtime, source, result, **extra)
+        pipeline.output(runtime, source, result, **extra, **options.extras(runtime, result))
         for source, result, extra in zip(sources, results, extras, strict=True)
     ]
     return GenerateResponse(model=entry.name, outputs=outputs, usage=pipeline.usage(outputs))
