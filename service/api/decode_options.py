@@ -3,9 +3,10 @@ n-best hypotheses and a target prefix, for `/v1/translate`, `/v1/summarize` (pla
 streamed) and the KServe v2 infer route.
 
 - `return_scores`: each output's `score` is the sum of the log-probabilities (natural log) of
-  its tokens and of `</s>` when it ended with one (finish_reason "eos"), as CTranslate2 counts
-  the end token; `token_scores` has one log-probability per output token (`</s>` excluded). The
-  same for greedy and beam search; beam search ranks by the length-normalised score instead.
+  its tokens and of `</s>` when it ended with one (finish_reason "eos"): the probability of the
+  whole sequence, end included; `token_scores` has one log-probability per output token (`</s>`
+  excluded). The same for greedy and beam search; beam search ranks by the length-normalised
+  score instead.
 - `num_hypotheses` n (at most `beam_size`): `hypotheses`, the n best finished hypotheses of the
   beam search, best first in the beam's own order (score / tokens counting `</s>`), each with
   its text, score, finish reason and token count (and `token_scores` with `return_scores`); the
