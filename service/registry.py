@@ -63,9 +63,9 @@ def onnx_loader(settings: Settings) -> Loader:
 
 
 def onnx_generator(settings: Settings) -> GeneratorFactory:
-    """`service.generation.search.generate` bound to each runtime; greedy results scored only with
-    `settings.greedy_scores` (the API does not return scores, and each step's log-softmax over
-    the vocabulary costs throughput: `bench/results/levers-scores`)."""
+    """`service.generation.search.generate` bound to each runtime; every greedy result scored
+    only with `settings.greedy_scores` (each step's log-softmax over the vocabulary costs
+    throughput: `bench/results/levers-scores`), else only the rows that ask (`RowHooks.scores`)."""
     from service.generation.search import generate
 
     def bind(runtime: Runtime) -> GenerateFn:

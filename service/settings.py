@@ -87,8 +87,9 @@ class Settings(BaseSettings):
         "oldest row's (0 = any age)",
     )
     greedy_scores: bool = Field(
-        default=False, description="sum each greedy result's log-probability (the API does not "
-        "return it; it costs a log-softmax over the vocabulary every step)",
+        default=False, description="sum every greedy result's log-probability (it costs a "
+        "log-softmax over the vocabulary every step; rows asking for `return_scores` are scored "
+        "either way)",
     )
     max_queue_size: int = Field(default=256, ge=1, description="rows waiting, per model")
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429")

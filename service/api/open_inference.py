@@ -3,8 +3,12 @@
 A model takes one BYTES input tensor `text` (any shape, usually `[N]`; one text per element)
 and gives two BYTES output tensors of the same shape: `output` (the generated texts) and
 `finish_reason` ("eos" or "length"). Request parameters `max_new_tokens`, `beam_size` and
-(summarization) `truncate` are the options of `/v1/translate` and `/v1/summarize`;
-`binary_data_output` is the protocol's own.
+(summarization) `truncate` are the options of `/v1/translate` and `/v1/summarize`, and so are
+`return_scores` (adds the FP32 output `score` of the same shape: each output's summed
+log-probability, `</s>` included; asking for the output `score` by name does the same) and
+`target_prefix` (one string, the prefix of every output; `service.api.decode_options`);
+`binary_data_output` is the protocol's own. n-best hypotheses have no tensor here (`/v1` gives
+them).
 
 Tensors travel as JSON (`"data": ["...", ...]`) or with the binary tensor data extension:
 the body is the JSON header (its length in the `Inference-Header-Content-Length` header), then
@@ -41,14 +45,17 @@ from pydantic import (
 )
 
 from service.api.errors import describe_validation_errors
-from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, clean_text
+from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, PrefixText, clean_text
 from service.errors import InvalidInput, shorten
 
 PLATFORM = "attnserve"
 MODEL_VERSION = "1"
 INPUT = "text"
-OUTPUTS = ("output", "finish_reason")
+OUTPUTS = ("output", "finish_reason")  # given unless `outputs` names others
+SCORE = "score"  # FP32, with `return_scores`
 BYTES = "BYTES"
+FP32 = "FP32"
+_FLOAT = struct.Struct("<f")
 EXTENSIONS = ["binary_tensor_data"]
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _LENGTH = struct.Struct("<I")
@@ -95,7 +102,8 @@ def model_metadata(name: str) -> ModelMetadata:
         versions=[MODEL_VERSION],
         platform=PLATFORM,
         inputs=[TensorMetadata(name=INPUT, datatype=BYTES, shape=[-1])],
-        outputs=[TensorMetadata(name=n, datatype=BYTES, shape=[-1]) for n in OUTPUTS],
+        outputs=[*(TensorMetadata(name=n, datatype=BYTES, shape=[-1]) for n in OUTPUTS),
+                 TensorMetadata(name=SCORE, datatype=FP32, shape=[-1])],
     )
 
 
@@ -140,6 +148,8 @@ class InferParameters(BaseModel):
     max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] | None = None
     beam_size: Annotated[int, Field(ge=1, le=MAX_BEAM_SIZE)] = 1
     truncate: Annotated[int, Field(ge=1)] | StrictBool | None = None
+    return_scores: StrictBool = False
+    target_prefix: PrefixText | None = None
     binary_data_output: StrictBool = False
 
 
@@ -150,7 +160,7 @@ class OutputTensor(BaseModel):
     shape: list[int]
     datatype: str
     parameters: dict[str, Any] | None = None
-    data: list[str] | None = None
+    data: list[str] | list[float] | None = None
 
 
 class InferenceResponse(BaseModel):
@@ -173,6 +183,12 @@ class Inference:
     beam_size: int
     outputs: dict[str, bool]  # output name -> in binary
     truncate: int | bool | None = None
+    target_prefix: str | None = None
+
+    @property
+    def return_scores(self) -> bool:
+        """Whether the `score` output is given."""
+        return SCORE in self.outputs
 
 
 def parse_request(body: bytes, header_length: str | None) -> Inference:
@@ -193,18 +209,21 @@ def parse_request(body: bytes, header_length: str | None) -> Inference:
     tensor = request.inputs[0]
     texts = _texts(tensor, binary)
     outputs = {name: parameters.binary_data_output for name in OUTPUTS}
+    if parameters.return_scores:
+        outputs[SCORE] = parameters.binary_data_output
     if request.outputs is not None:
         outputs = {}
         for requested in request.outputs:
-            if requested.name not in OUTPUTS:
+            if requested.name not in (*OUTPUTS, SCORE):
                 raise InvalidInput(f"outputs: unknown output {shorten(repr(requested.name))}; "
-                                   f"this model has {list(OUTPUTS)}")
+                                   f"this model has {[*OUTPUTS, SCORE]}")
             binary_flag = (requested.parameters or {}).get("binary_data", False)
             if not isinstance(binary_flag, bool):
                 raise InvalidInput(f"outputs.{requested.name}: binary_data must be a boolean")
             outputs[requested.name] = binary_flag
     return Inference(request.id, texts, list(tensor.shape), parameters.max_new_tokens,
-                     parameters.beam_size, outputs, parameters.truncate)
+                     parameters.beam_size, outputs, truncate=parameters.truncate,
+                     target_prefix=parameters.target_prefix)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -315,15 +334,22 @@ def serialize_bytes(elements: Sequence[str]) -> bytes:
 # ---------------------------------------------------------------- inference response
 
 
+def serialize_floats(elements: Sequence[float]) -> bytes:
+    """The binary form of FP32 elements (little-endian)."""
+    return b"".join(_FLOAT.pack(element) for element in elements)
+
+
 def response_body(
-    model: str, inference: Inference, values: dict[str, list[str]]
+    model: str, inference: Inference, values: dict[str, Any]
 ) -> tuple[bytes, int | None]:
-    """The response body and, when some output is binary, the length of its JSON header."""
+    """The response body and, when some output is binary, the length of its JSON header;
+    `values` holds each output's elements (str, float for `score`)."""
     tensors, chunks = [], []
     for name, binary in inference.outputs.items():
-        tensor = OutputTensor(name=name, shape=inference.shape, datatype=BYTES)
+        datatype = FP32 if name == SCORE else BYTES
+        tensor = OutputTensor(name=name, shape=inference.shape, datatype=datatype)
         if binary:
-            chunk = serialize_bytes(values[name])
+            chunk = serialize_floats(values[name]) if datatype == FP32 else serialize_bytes(values[name])
             tensor.parameters = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
         else:

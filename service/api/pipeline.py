@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from service.api import documents
 from service.api.deadline import Deadline
+from service.api.decode_options import DecodeOptions
 from service.api.disconnect import unless_disconnected
 from service.api.documents import Document
 from service.api.schemas import Output, Usage
@@ -50,6 +51,7 @@ class Prepared:
     started: float  # time.perf_counter() when the request arrived
     documents: list[Document]  # each text's rows and layout
     truncated: list[bool] | None = None  # with `truncate`: whether each text was cut
+    options: DecodeOptions = field(default_factory=DecodeOptions)  # scores, hypotheses, target prefix
 
     @property
     def runtime(self) -> Runtime:
@@ -130,7 +132,7 @@ async def generate(
     assert entry.batcher is not None
     submitted: Awaitable[list[Generated]] = entry.batcher.submit(
         prepared.sources, prepared.beam_size, prepared.max_new_tokens,
-        deadline.at if deadline is not None else None,
+        deadline.at if deadline is not None else None, hooks=prepared.options.hooks(len(prepared.sources)),
     )
     if request is not None:
         submitted = unless_disconnected(request, submitted, entry.name)

@@ -40,6 +40,8 @@ def clean_text(text: str) -> str:
 Text = Annotated[
     StrictStr, Field(min_length=1, max_length=MAX_TEXT_CHARS), AfterValidator(clean_text)
 ]
+# a target prefix: any text within the same limits, "" for none
+PrefixText = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS), AfterValidator(clean_text)]
 FinishReason = Literal["eos", "length"]
 Task = Literal["translate", "summarize"]
 AttentionKind = Literal["encoder", "decoder", "cross"]
@@ -86,6 +88,23 @@ class GenerateRequest(BaseModel):
         "as many as the model takes) instead of refusing a longer text; outputs then report "
         "`truncated`. Translation splits long texts into sentences instead",
     )
+    return_scores: bool = Field(
+        default=False,
+        description="add to each output its `score`, the summed log-probability of its tokens "
+        "and of `</s>` when it ended with one, and `token_scores`, one log-probability per "
+        "output token; with `stream`, in the final event's output",
+    )
+    num_hypotheses: int | None = Field(
+        None, ge=1, le=MAX_BEAM_SIZE,
+        description="add to each output `hypotheses`, the beam search's best finished "
+        "hypotheses (at most `beam_size`), best first by the beam's own rank, each with its score",
+    )
+    target_prefix: PrefixText | Annotated[list[PrefixText], Field(min_length=1, max_length=MAX_TEXTS)] | None = Field(
+        None,
+        description="text each output starts with (the decoder is forced through its tokens, "
+        "which count towards `max_new_tokens`); a string for every text, or with `texts` a "
+        "list of one prefix per text (\"\" for none)",
+    )
     timeout_ms: int | None = Field(
         None, ge=1, le=MAX_TIMEOUT_MS,
         description="deadline of this request in milliseconds (also the X-Request-Timeout-Ms "
@@ -100,6 +119,12 @@ class GenerateRequest(BaseModel):
             raise ValueError("`stream` takes one `text`, not `texts`")
         if self.stream and self.return_attention:
             raise ValueError("`stream` and `return_attention` do not go together")
+        if self.num_hypotheses is not None and self.num_hypotheses > self.beam_size:
+            raise ValueError(f"`num_hypotheses` ({self.num_hypotheses}) may be at most `beam_size` "
+                             f"({self.beam_size})")
+        if isinstance(self.target_prefix, list) and (self.texts is None
+                                                     or len(self.target_prefix) != len(self.texts)):
+            raise ValueError("a list `target_prefix` needs `texts`, one prefix per text")
         return self
 
     @property
@@ -138,9 +163,20 @@ class WordAlignment(BaseModel):
     target_words: list[WordSpan]
 
 
+class Hypothesis(BaseModel):
+    """One of the best finished hypotheses of a beam search (`num_hypotheses`)."""
+
+    text: str
+    score: float | None = Field(None, description="summed log-probability, `</s>` included")
+    finish_reason: FinishReason
+    output_tokens: int
+    token_scores: list[float] | None = Field(None, description="with `return_scores`")
+
+
 class Output(BaseModel):
     """One generated text; the attention fields only when `return_attention` was asked, the
-    alignment only with `return_alignment`."""
+    alignment only with `return_alignment`, the scores with `return_scores`, the hypotheses
+    with `num_hypotheses`."""
 
     text: str
     finish_reason: FinishReason
@@ -155,6 +191,10 @@ class Output(BaseModel):
     source_tokens: list[Token] | None = None
     target_tokens: list[Token] | None = None
     alignment: WordAlignment | None = None
+    score: float | None = Field(None, description="summed log-probability of the output's "
+                                "tokens and of `</s>` when it ended with one")
+    token_scores: list[float] | None = Field(None, description="log-probability of each output token")
+    hypotheses: list[Hypothesis] | None = None
 
 
 class Usage(BaseModel):

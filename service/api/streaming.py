@@ -18,7 +18,9 @@ counts the tokens of the whole output. Greedy decoding
 streams each token as the worker thread decodes it (`RowHooks.on_token`, handed to the event
 loop with `call_soon_threadsafe`); beam search streams the tokens of the final hypothesis once
 it is chosen. With `return_alignment`, the final event's output carries the word alignment
-(one teacher-forced pass once the row finished, in the model's worker thread). A failure after
+(one teacher-forced pass once the row finished, in the model's worker thread); with
+`return_scores` or `num_hypotheses`, its scores and hypotheses (token events carry none). A
+target prefix's tokens are streamed first, as the decoder is forced through them. A failure after
 the stream started is one last event with the error body
 (`{"error": ..., "error_type": ...}`). When the client goes away, the row is cancelled: it
 leaves the queue, or the running batch at the next decoder step.
@@ -43,7 +45,6 @@ from service.api.pipeline import Prepared
 from service.batching.batcher import Generated
 from service.errors import DeadlineExceeded, InternalError, ServiceError
 from service.generation import attention_maps
-from service.generation.hooks import RowHooks
 from service.observability import metrics
 from service.settings import Settings
 
@@ -71,7 +72,8 @@ def stream(
     queues: list[asyncio.Queue[int]] = [asyncio.Queue() for _ in prepared.sources]
     futures = batcher.enqueue(
         prepared.sources, prepared.beam_size, prepared.max_new_tokens,
-        hooks=[RowHooks(on_token=_threadsafe_put(loop, queue)) for queue in queues],
+        hooks=[prepared.options.row_hooks(row, on_token=_threadsafe_put(loop, queue))
+               for row, queue in enumerate(queues)],
         deadline=deadline.at if deadline is not None else None,
     )
     budget_s = deadline.budget_s if deadline is not None else settings.request_timeout_s
@@ -176,6 +178,8 @@ async def _events(
                             prepared.sources, [list(results[0].tokens)]),
                 entry, prepared.started, align_settings, budget_s=budget_s,
             )
+        if not prepared.options.plain:  # one text, one row (`whole_texts`)
+            extras[0].update(prepared.options.extras(prepared.runtime, results[0]))
         [out] = pipeline.outputs(prepared, results, extras)
         final = {"done": True, "model": entry.name, "delta": out.text[len(text.sent):]
                  if out.text.startswith(text.sent) else "",

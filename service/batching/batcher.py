@@ -148,15 +148,16 @@ class Batcher:
 
     async def submit(
         self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
-        deadline: float | None = None,
+        deadline: float | None = None, hooks: Sequence[RowHooks | None] | None = None,
     ) -> list[Generated]:
-        """Generate for every source (ids ending with EOS); results in the same order.
+        """Generate for every source (ids ending with EOS); results in the same order; `hooks`,
+        one per source, carry what each row asks of the decoding (`RowHooks`).
 
         Raises `Overloaded` when the rows do not fit in the queue, `NotReady` while draining,
         `DeadlineExceeded` when a row was still queued at `deadline` (`perf_counter`),
         `InternalError` when the batch of any row failed.
         """
-        futures = self.enqueue(sources, beam_size, max_new_tokens, deadline=deadline)
+        futures = self.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline)
         if not futures:
             return []
         try:

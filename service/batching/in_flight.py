@@ -4,7 +4,10 @@ decoder steps and which each row leaves the moment it stops.
 In the spirit of TGI's `Batch`: `concatenate` adds newcomers (encoded here, in groups of
 similar source length), `filter` keeps only the rows of the given owners, and `generate_token`
 runs one decoder step for every row and returns the rows that stopped, by the one rule of
-`model.stopping.StoppingCriteria` (EOS, the row's token limit, its request cancelled). Two
+`model.stopping.StoppingCriteria` (EOS, the row's token limit, its request cancelled). A row's
+hooks may force its first tokens (`RowHooks.prefix`: fed as the step's choice while they last)
+and ask for its tokens' log-probabilities (`RowHooks.scores`), computed for those rows only
+(`choose`). Two
 batches implement it: `service.batching.slot_batch.SlotBatch` on the step graph (each row's
 cache in its own slot) and `service.batching.running_batch.RunningBatch` on the merged decoder
 (every row's cache padded to the oldest row's, `pads_to_oldest`). The batch is changed in
@@ -21,7 +24,7 @@ import numpy as np
 
 from model.stopping import EOS, StoppingCriteria
 from service.generation.hooks import RowHooks
-from service.generation.search import GenerationResult
+from service.generation.search import GenerationResult, pick
 from service.runtime import EncoderState
 from service.runtime.protocol import Runtime
 
@@ -53,7 +56,17 @@ class Member(Generic[Owner]):
     max_new_tokens: int
     hooks: RowHooks | None
     tokens: list[int] = field(default_factory=list)
-    score: float = 0.0  # summed log-probability of `tokens` (0 without the batch's `scores`)
+    score: float = 0.0  # summed log-probability of `tokens` (0 without the batch's `scores` or the row's ask)
+    prefix: tuple[int, ...] = ()  # the tokens its output is forced to start with
+    token_scores: list[float] | None = None  # each token's log-probability, when the row asks
+
+    @classmethod
+    def of(cls, owner: Owner, max_new_tokens: int, hooks: RowHooks | None) -> Member[Owner]:
+        """A new row with what its hooks ask (a forced prefix, scores)."""
+        if hooks is None or (not hooks.prefix and not hooks.scores):
+            return cls(owner, max_new_tokens, hooks)
+        return cls(owner, max_new_tokens, hooks, prefix=hooks.prefix,
+                   token_scores=[] if hooks.scores else None)
 
 
 def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Sequence[Owner],
@@ -69,7 +82,25 @@ def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Seq
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     groups = _length_groups([len(sources[i]) for i in order], padding_slack)
     states = [runtime.encode(runtime.pad([sources[order[i]] for i in group])) for group in groups]
-    return states, [Member(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+    return states, [Member.of(owners[i], max_new_tokens[i], hooks[i]) for i in order]
+
+
+def choose(members: Sequence[Member[Owner] | None], logits: np.ndarray,
+           scores: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """Each row's token of this step from its (B, V) `logits` (None: a dead slot): the next
+    token of its forced prefix while that lasts, else the argmax; and the log-probabilities
+    (`service.generation.search.pick`) of every row with the batch's `scores`, else of the rows
+    that ask for them only."""
+    forced: list[tuple[int, int]] = []
+    asking: list[int] = []
+    for i, member in enumerate(members):
+        if member is None:
+            continue
+        if len(member.tokens) < len(member.prefix):
+            forced.append((i, member.prefix[len(member.tokens)]))
+        if member.token_scores is not None:
+            asking.append(i)
+    return pick(logits, scores, forced, asking)
 
 
 def advance(members: Sequence[Member[Owner] | None], best: np.ndarray, chosen: np.ndarray | None, eos: int,
@@ -82,17 +113,25 @@ def advance(members: Sequence[Member[Owner] | None], best: np.ndarray, chosen: n
         if member is None:
             continue
         token = int(best[i])
-        if chosen is not None:
+        asked = member.token_scores
+        if chosen is not None and (scores or asked is not None):
             member.score += float(chosen[i])
         cancelled = member.hooks is not None and member.hooks.cancelled
         reason = StoppingCriteria(eos, member.max_new_tokens)(token, len(member.tokens), cancelled)
         if reason != EOS:
             member.tokens.append(token)
+            if asked is not None and chosen is not None:
+                asked.append(float(chosen[i]))
             if member.hooks is not None and member.hooks.on_token is not None:
                 member.hooks.on_token(token)
         if reason is not None:
             score = member.score if scores else None
-            finished.append((i, (member.owner, GenerationResult(member.tokens, reason, score))))
+            if asked is None:
+                result = GenerationResult(member.tokens, reason, score)
+            else:
+                result = GenerationResult(member.tokens, reason, score, token_scores=tuple(asked),
+                                          log_prob=member.score)
+            finished.append((i, (member.owner, result)))
     return finished
 
 

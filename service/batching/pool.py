@@ -99,9 +99,11 @@ class BatcherPool:
         return self._pick(len(sources), sum(map(len, sources)) / len(sources) if sources else None)
 
     async def submit(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
-                     deadline: float | None = None) -> list[Generated]:
+                     deadline: float | None = None,
+                     hooks: Sequence[RowHooks | None] | None = None) -> list[Generated]:
         """`Batcher.submit` on the batcher chosen for `sources`."""
-        return await self._pick_for(sources).submit(sources, beam_size, max_new_tokens, deadline=deadline)
+        return await self._pick_for(sources).submit(sources, beam_size, max_new_tokens, deadline=deadline,
+                                                    hooks=hooks)
 
     def enqueue(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                 hooks: Sequence[RowHooks | None] | None = None,

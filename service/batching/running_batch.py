@@ -33,9 +33,9 @@ from typing import Generic
 
 import numpy as np
 
-from service.batching.in_flight import Member, Owner, advance, encode_newcomers
+from service.batching.in_flight import Member, Owner, advance, choose, encode_newcomers
 from service.generation.hooks import RowHooks
-from service.generation.search import GenerationResult, greedy_choice
+from service.generation.search import GenerationResult
 from service.runtime import EncoderState, KVCache, to_numpy
 from service.runtime.protocol import Runtime
 
@@ -125,7 +125,7 @@ class RunningBatch(Generic[Owner]):
         cache = KVCache(self._keys, self._values)
         out = self.runtime.decode(self._last[:, None], state, cache,
                                   positions=self._positions[:, None], target_mask=target_mask)
-        best, chosen = greedy_choice(out.logits[:, -1], self.scores)  # (B,) each
+        best, chosen = choose(self._members, out.logits[:, -1], self.scores)  # (B,) each
         finished = advance(self._members, best, chosen, self.runtime.eos_id, self.scores)
         for i, _ in finished:
             self._members[i] = None

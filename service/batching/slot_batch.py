@@ -27,9 +27,9 @@ from typing import Generic
 
 import numpy as np
 
-from service.batching.in_flight import Member, Owner, advance, encode_newcomers
+from service.batching.in_flight import Member, Owner, advance, choose, encode_newcomers
 from service.generation.hooks import RowHooks
-from service.generation.search import GenerationResult, greedy_choice
+from service.generation.search import GenerationResult
 from service.runtime import to_numpy
 from service.runtime.protocol import Runtime
 from service.runtime.step_buffers import CacheBuffers, run_step
@@ -145,7 +145,7 @@ class SlotBatch(Generic[Owner]):
         assert self.runtime.step is not None
         logits = run_step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
                           self._source_mask[:live], [c[:live] for c in self._cross], self._buffers)  # (n, V)
-        best, chosen = greedy_choice(logits, self.scores)  # (n,) each
+        best, chosen = choose(self._members, logits, self.scores)  # (n,) each
         finished = advance(self._members, best, chosen, self.runtime.eos_id, self.scores)
         self._positions[:live] += 1
         self._last[:live] = best

@@ -1,5 +1,6 @@
-"""What a row asks of the decoding loop while it decodes: its tokens as they come, and a flag
-that takes it out of the batch at the next decoder step."""
+"""What a row asks of the decoding loop while it decodes: its tokens as they come, a flag that
+takes it out of the batch at the next decoder step, the tokens its output must start with, and
+whether its tokens' log-probabilities and several hypotheses are returned."""
 
 from __future__ import annotations
 
@@ -11,10 +12,19 @@ from dataclasses import dataclass, field
 @dataclass
 class RowHooks:
     """A row's hooks, read in the worker thread: `on_token` sees each token kept (greedy), and
-    `cancel` set ends the row with finish reason "cancelled" at the next step."""
+    `cancel` set ends the row with finish reason "cancelled" at the next step.
+
+    `prefix`: tokens the decoder is forced through first (its output starts with them; they
+    count towards its token limit). `scores`: its result carries each output token's
+    log-probability (`GenerationResult.token_scores`) and their sum (`log_prob`).
+    `hypotheses`: beam search returns this many finished hypotheses, best first
+    (`GenerationResult.hypotheses`)."""
 
     on_token: Callable[[int], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    prefix: tuple[int, ...] = ()
+    scores: bool = False
+    hypotheses: int = 1
 
     @property
     def cancelled(self) -> bool:

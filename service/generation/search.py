@@ -9,6 +9,13 @@ Torch-free (numpy). It produces exactly the tokens of the PyTorch reference,
   length_penalty, accepts EOS only within the top `beam_size` candidates of a step, and closes a
   row once it holds `beam_size` finished hypotheses (fairseq's rule); beam 1 is greedy.
 
+A row's hooks may also force a prefix (`RowHooks.prefix`: the decoder is fed those tokens as
+the step's choice, greedy and beam alike; they are part of the output and its token limit, and
+their log-probabilities count in its scores), ask for its tokens' log-probabilities
+(`RowHooks.scores`: `token_scores`, one per output token, and `log_prob`, their sum plus the
+log-probability of EOS when the row ended with it) and for beam search's n best finished
+hypotheses (`RowHooks.hypotheses`).
+
 Streaming: `hooks` (one per source, or None) let a caller see greedy tokens as they are decoded
 (`on_token`, called in this thread) and drop a row between decoder steps (`cancelled`); a
 cancelled row ends with finish_reason "cancelled" and leaves the batch like a finished one.
@@ -18,6 +25,7 @@ final hypothesis.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +46,13 @@ class GenerationResult:
     tokens: list[int]
     finish_reason: str  # "eos" | "length" | "cancelled"
     score: float | None  # summed log-probability (greedy; None when not asked) or the length-normalised beam score
+    # log-probability of each of `tokens`, when the row asked (`RowHooks.scores`)
+    token_scores: tuple[float, ...] | None = None
+    # the summed log-probability of `tokens` and of EOS when the row ended with it (beam search: always;
+    # greedy: when the row asked)
+    log_prob: float | None = None
+    # beam search's finished hypotheses, best first, when the row asked for more than one
+    hypotheses: tuple[GenerationResult, ...] | None = None
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -58,6 +73,40 @@ def greedy_choice(logits: np.ndarray, scores: bool = True) -> tuple[np.ndarray, 
     shifted = logits - logits[np.arange(len(best)), best][:, None]  # (B, V), <= 0
     np.exp(shifted, out=shifted)
     return best, -np.log(shifted.sum(axis=-1, dtype=np.float32))  # (B,), (B,)
+
+
+def token_log_probs(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """`log_softmax(logits)[i, tokens[i]]` for each row of (R, V) `logits`, in float32, without
+    building the (R, V) log-probabilities; for the argmax token it equals `greedy_choice`'s."""
+    logits = logits.astype(np.float32, copy=False)
+    rows = np.arange(len(tokens))
+    top = logits.max(axis=-1)
+    shifted = logits - top[:, None]  # (R, V), <= 0
+    picked = shifted[rows, tokens]
+    np.exp(shifted, out=shifted)
+    return picked - np.log(shifted.sum(axis=-1, dtype=np.float32))
+
+
+def pick(logits: np.ndarray, scores: bool, forced: Sequence[tuple[int, int]],
+         asking: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Each row's token of one greedy step and its log-probability: the argmax of (B, V)
+    `logits`, or for each `(row, token)` of `forced` that token. Log-probabilities for every row
+    with `scores`; else only for the rows in `asking` (NaN for the others), None when no row
+    needs one: rows that ask nothing cost nothing beyond the argmax."""
+    best, chosen = greedy_choice(logits, scores)
+    if not forced and (chosen is not None or not asking):
+        return best, chosen
+    for row, token in forced:
+        best[row] = token
+    wanted = set(asking)
+    rescore = sorted({row for row, _ in forced if chosen is not None or row in wanted}
+                     | (wanted if chosen is None else set()))
+    if rescore:
+        if chosen is None:
+            chosen = np.full(len(best), np.nan, dtype=np.float32)
+        index = np.asarray(rescore, dtype=np.int64)
+        chosen[index] = token_log_probs(logits[index], best[index])
+    return best, chosen
 
 
 def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -108,20 +157,37 @@ def _emit(hooks: Hooks | None, row: int, token: int) -> None:
         hook.on_token(token)
 
 
+def _prefix(hooks: Hooks | None, row: int) -> tuple[int, ...]:
+    hook = hooks[row] if hooks is not None else None
+    return hook.prefix if hook is not None else ()
+
+
+def _asks(hooks: Hooks | None, row: int) -> bool:
+    hook = hooks[row] if hooks is not None else None
+    return hook is not None and hook.scores
+
+
 def greedy(
     runtime: Runtime, state: EncoderState, max_new_tokens: int, hooks: Hooks | None = None,
     scores: bool = True,
 ) -> list[GenerationResult]:
-    """The most likely token at every step; a row stops at EOS, at the token limit or when its
-    hook is cancelled. Each result's score is its summed log-probability, or None without
-    `scores`."""
+    """The most likely token at every step (a row's forced prefix first); a row stops at EOS,
+    at the token limit or when its hook is cancelled. Each result's score is its summed
+    log-probability, or None without `scores`; a row whose hook asks for scores gets its
+    `token_scores` and `log_prob` either way."""
     batch = state.source_mask.shape[0]
     results: list[GenerationResult | None] = [None] * batch
     tokens: list[list[int]] = [[] for _ in range(batch)]
     summed = [0.0] * batch
+    prefixes = [_prefix(hooks, row) for row in range(batch)]
+    token_scores: list[list[float] | None] = [[] if _asks(hooks, row) else None for row in range(batch)]
 
-    def score(row: int) -> float | None:
-        return summed[row] if scores else None
+    def result(row: int, reason: str) -> GenerationResult:
+        asked = token_scores[row]
+        if asked is None:
+            return GenerationResult(tokens[row], reason, summed[row] if scores else None)
+        return GenerationResult(tokens[row], reason, summed[row] if scores else None,
+                                token_scores=tuple(asked), log_prob=summed[row])
 
     active = np.arange(batch)  # original row of each row still decoding
     last = np.full((batch, 1), runtime.bos_id, dtype=np.int64)
@@ -129,18 +195,25 @@ def greedy(
     stop = StoppingCriteria(runtime.eos_id, max_new_tokens)
     for _ in range(max_new_tokens):
         out = runtime.decode(last, state, cache)
-        best, chosen = greedy_choice(out.logits[:, -1], scores)  # (B_active,) each
+        rows_now = active.tolist()
+        forced = [(i, prefixes[row][len(tokens[row])]) for i, row in enumerate(rows_now)
+                  if len(tokens[row]) < len(prefixes[row])]
+        asking = [i for i, row in enumerate(rows_now) if token_scores[row] is not None]
+        best, chosen = pick(out.logits[:, -1], scores, forced, asking)  # (B_active,) each
         keep = []
-        for i, row in enumerate(active.tolist()):
+        for i, row in enumerate(rows_now):
             token = int(best[i])
-            if chosen is not None:
-                summed[row] += float(chosen[i])
+            scored = chosen is not None and (scores or token_scores[row] is not None)
+            if scored:
+                summed[row] += float(chosen[i])  # type: ignore[index]
             reason = stop(token, len(tokens[row]), _cancelled(hooks, row))
             if reason != EOS:
                 tokens[row].append(token)
+                if (asked := token_scores[row]) is not None:
+                    asked.append(float(chosen[i]))  # type: ignore[index]
                 _emit(hooks, row, token)
             if reason is not None:
-                results[row] = GenerationResult(tokens[row], reason, score(row))
+                results[row] = result(row, reason)
             else:
                 keep.append(i)
         if not keep:
@@ -149,7 +222,7 @@ def greedy(
         last, cache = best[rows][:, None], out.cache
         if len(keep) < len(active):  # finished rows leave the batch
             active, state, cache = active[rows], state.select(rows), cache.select(rows)
-    return [r if r is not None else GenerationResult([], "length", 0.0 if scores else None) for r in results]
+    return [r if r is not None else result(row, "length") for row, r in enumerate(results)]
 
 
 def beam_search(
@@ -158,17 +231,32 @@ def beam_search(
 ) -> list[GenerationResult]:
     """Beam search; the beams of open row r sit at r*k..r*k+k-1 of the decoder batch.
 
-    A row whose hook is cancelled closes with its best open beam, finish_reason "cancelled"."""
+    While a row's forced prefix lasts, its first beam takes the prefix's next token and the
+    others stay dead (score -inf), so every beam starts with the prefix. A row whose hook is
+    cancelled closes with its best open beam, finish_reason "cancelled". Each result carries
+    its summed log-probability (`log_prob`); the tokens' own (`token_scores`) are kept when a
+    row of the batch asks for them, and a row asking for n hypotheses gets its n best finished
+    ones (by the length-normalised score), best first."""
     batch, k = state.source_mask.shape[0], beam_size
+    prefixes = [_prefix(hooks, row) for row in range(batch)]
+    track = any(_asks(hooks, row) for row in range(batch))  # each beam's token log-probabilities
     state = state.select(np.repeat(np.arange(batch), k))  # (B*K, ...)
     cache: KVCache | None = None
     beam_tokens: list[list[int]] = [[] for _ in range(batch * k)]
+    beam_token_scores: list[list[float]] = [[] for _ in range(batch * k)]
     beam_scores = np.zeros((batch, k), dtype=np.float32)
     beam_scores[:, 1:] = -np.inf  # all beams start identical: expand only the first
     last = np.full((batch * k, 1), runtime.bos_id, dtype=np.int64)
     finished: list[list[GenerationResult]] = [[] for _ in range(batch)]
     cancelled: dict[int, GenerationResult] = {}
     open_rows = list(range(batch))
+
+    def hypothesis(tokens: list[int], reason: str, score: float, scored: list[float],
+                   length: int | None) -> GenerationResult:
+        """A finished (or cancelled) beam; its score normalised by `length` unless None."""
+        return GenerationResult(tokens, reason, score if length is None else score / length**length_penalty,
+                                token_scores=tuple(scored) if track else None, log_prob=score)
+
     for step in range(max_new_tokens):
         out = runtime.decode(last, state, cache)
         log_probs = log_softmax(out.logits[:, -1])  # (R*K, V)
@@ -182,26 +270,33 @@ def beam_search(
         still_open: list[int] = []
         for r, row in enumerate(open_rows):
             alive: list[tuple[int, int, float]] = []  # (beam position in batch, token, score)
-            for rank in range(top_index.shape[1]):
+            if step < len(prefixes[row]):  # forced: one live beam, the others dead copies of it
+                beam, token = r * k, prefixes[row][step]
+                score = float(beam_scores[row, 0]) + float(log_probs[beam, token])
+                alive = [(beam, token, score)] + [(beam, token, -np.inf)] * (k - 1)
+            for rank in range(top_index.shape[1] if not alive else 0):
                 beam = r * k + int(top_index[r, rank]) // vocab
                 token = int(top_index[r, rank]) % vocab
                 score = float(top_scores[r, rank])
                 if token == runtime.eos_id:
                     if rank < k and len(finished[row]) < k:
-                        normalised = score / length**length_penalty
-                        finished[row].append(GenerationResult(list(beam_tokens[beam]), "eos", normalised))
+                        finished[row].append(hypothesis(list(beam_tokens[beam]), "eos", score,
+                                                        beam_token_scores[beam], length))
                 elif len(alive) < k:
                     alive.append((beam, token, score))
             if len(finished[row]) >= k:
                 continue
             if _cancelled(hooks, row) and step < max_new_tokens - 1:
                 beam, token, score = alive[0]
-                cancelled[row] = GenerationResult(beam_tokens[beam] + [token], "cancelled", score)
+                scored = beam_token_scores[beam] + [float(log_probs[beam, token])] if track else []
+                cancelled[row] = hypothesis(beam_tokens[beam] + [token], "cancelled", score, scored, None)
                 continue
             if step == max_new_tokens - 1:
                 for beam, token, score in alive[: k - len(finished[row])]:
-                    normalised = score / length**length_penalty
-                    finished[row].append(GenerationResult(beam_tokens[beam] + [token], "length", normalised))
+                    if score == -np.inf:  # a dead copy of a forced beam
+                        continue
+                    scored = beam_token_scores[beam] + [float(log_probs[beam, token])] if track else []
+                    finished[row].append(hypothesis(beam_tokens[beam] + [token], "length", score, scored, length))
                 continue
             still_open.append(row)
             for beam, token, score in alive:
@@ -214,14 +309,25 @@ def beam_search(
         if len(still_open) < len(open_rows):  # closed rows leave; beams of one row share the source
             kept = [open_rows.index(row) for row in still_open]
             state = state.select(np.asarray([r * k + j for r in kept for j in range(k)]))
+        if track:
+            beam_token_scores = [beam_token_scores[b] + [float(log_probs[b, t])]
+                                 for b, t in zip(next_beams, next_tokens, strict=True)]
         beam_tokens = [beam_tokens[b] + [t] for b, t in zip(next_beams, next_tokens, strict=True)]
         beam_scores[still_open] = np.asarray(next_scores, dtype=np.float32).reshape(len(still_open), k)
         last = np.asarray(next_tokens, dtype=np.int64)[:, None]
         open_rows = still_open
-    return [
-        cancelled[row] if row in cancelled else max(hyps, key=lambda g: -np.inf if g.score is None else g.score)
-        for row, hyps in enumerate(finished)
-    ]
+    return [cancelled[row] if row in cancelled else _best(hyps, hooks, row) for row, hyps in enumerate(finished)]
+
+
+def _best(hypotheses: list[GenerationResult], hooks: Hooks | None, row: int) -> GenerationResult:
+    """A row's best finished hypothesis (the first of the highest score); with the row's
+    `hypotheses` above 1, carrying that many of the best, best first (ties in finishing order)."""
+    best = max(hypotheses, key=lambda g: -np.inf if g.score is None else g.score)
+    hook = hooks[row] if hooks is not None else None
+    if hook is None or hook.hypotheses <= 1:
+        return best
+    ranked = sorted(hypotheses, key=lambda g: np.inf if g.score is None else -g.score)
+    return dataclasses.replace(best, hypotheses=tuple(ranked[: hook.hypotheses]))
 
 
 @dataclass(frozen=True)

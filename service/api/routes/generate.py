@@ -8,14 +8,16 @@ watching for the client to go away (`service.api.disconnect`), detokenization. W
 thread, gives their cross-attention (`service.generation.attention_maps.alignments`; exact for greedy and beam
 search alike); with `return_alignment`, one such pass gives their word alignments
 (`service.generation.attention_maps.word_alignments`). With `stream`, one text is answered with
-Server-Sent Events (`service.api.streaming`), the alignment in its final event. Translation
-splits long texts into sentences, unless `return_attention` or `return_alignment` (which relate
-one source to one output); summarization refuses a text longer than the model's window unless
-`truncate`.
+Server-Sent Events (`service.api.streaming`), the alignment in its final event. Scores,
+n-best hypotheses and a target prefix: `service.api.decode_options`. Translation splits long
+texts into sentences, unless a request asks for attention, alignments, scores, hypotheses or a
+target prefix (each relates one source to one output); summarization refuses a text longer than
+the model's window unless `truncate`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -23,6 +25,7 @@ from fastapi import APIRouter, Request, Response
 
 from service.api import pipeline, streaming
 from service.api.deadline import request_deadline
+from service.api.decode_options import decode_options
 from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
@@ -82,16 +85,21 @@ async def _generate(
     where = ["text"] if body.texts is None else [f"texts.{i}" for i in range(len(texts))]
     # 422 now, rather than after generating, for a model without attention outputs.
     needs_maps = body.return_attention or body.return_alignment
+    asks_options = body.return_scores or body.num_hypotheses is not None or body.target_prefix is not None
     maps_runtime = attention_runtime(runtime) if needs_maps else None
     prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
-                                where, started, body.truncate, whole_texts=needs_maps)
+                                where, started, body.truncate, whole_texts=needs_maps or asks_options)
+    options = decode_options(runtime, len(texts), body.beam_size, prepared.max_new_tokens,
+                             return_scores=body.return_scores, num_hypotheses=body.num_hypotheses,
+                             target_prefix=body.target_prefix)
+    prepared = dataclasses.replace(prepared, options=options)
     deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
         return streaming.stream(prepared, request.receive, settings, deadline,
                                 alignment=body.return_alignment)
     sources = prepared.sources
     results = await pipeline.generate(prepared, settings, deadline, request)
-    extras: list[dict[str, Any]] = [{} for _ in texts]  # one row per text with either option (`whole_texts`)
+    extras: list[dict[str, Any]] = [{} for _ in texts]  # one per text
     if maps_runtime is not None and body.return_alignment:
         found = await within_deadline(
             entry.batcher.run(attention_maps.word_alignments, maps_runtime, texts, sources,
@@ -110,6 +118,9 @@ async def _generate(
             source_tokens, target_tokens = _alignment_labels(runtime, texts[i], *generated[i])
             extra.update(attention=maps[i], source_tokens=source_tokens,
                          target_tokens=target_tokens)
+    if not options.plain:  # one row per text (`whole_texts`)
+        for extra, result in zip(extras, results, strict=True):
+            extra.update(options.extras(runtime, result))
     outputs = pipeline.outputs(prepared, results, extras)
     return GenerateResponse(model=entry.name, outputs=outputs, usage=pipeline.usage(outputs))
 

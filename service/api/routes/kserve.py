@@ -9,7 +9,9 @@ service's statuses except that bad input is a 400 (not 422). Conversion: `servic
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -22,6 +24,7 @@ from starlette.exceptions import HTTPException
 from service.api import open_inference, pipeline
 from service.api.auth import require_api_key, require_api_key_for_metadata
 from service.api.deadline import request_deadline
+from service.api.decode_options import decode_options
 from service.api.errors import describe_validation_errors, status_of
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.errors import ModelNotFound, ServiceError, shorten
@@ -148,13 +151,20 @@ async def infer(
                                      request.headers.get(open_inference.HEADER_LENGTH))
     where = [f"inputs.{open_inference.INPUT}[{i}]" for i in range(len(inference.texts))]
     prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
-                                inference.max_new_tokens, settings, where,
-                                truncate=inference.truncate)
+                                inference.max_new_tokens, settings, where, truncate=inference.truncate,
+                                whole_texts=inference.return_scores or inference.target_prefix is not None)
+    options = decode_options(prepared.runtime, len(inference.texts), inference.beam_size,
+                             prepared.max_new_tokens, return_scores=inference.return_scores,
+                             target_prefix=inference.target_prefix, where="parameters.target_prefix")
+    prepared = dataclasses.replace(prepared, options=options)
     deadline = request_deadline(request, None, settings, prepared.started)  # header only
     results = await pipeline.generate(prepared, settings, deadline, request)
     outputs = pipeline.outputs(prepared, results)
-    values: dict[str, list[str]] = {"output": [o.text for o in outputs],
-                                    "finish_reason": [o.finish_reason for o in outputs]}
+    values: dict[str, Any] = {"output": [o.text for o in outputs],
+                              "finish_reason": [o.finish_reason for o in outputs]}
+    if inference.return_scores:  # one row per text (`whole_texts`)
+        values[open_inference.SCORE] = [options.extras(prepared.runtime, r).get("score", math.nan)
+                                        for r in results]
     body, header_length = open_inference.response_body(entry.name, inference, values)
     if header_length is None:
         return Response(body, media_type="application/json")

@@ -71,8 +71,8 @@ def test_health_and_metadata(triton: Any) -> None:
     assert metadata["name"] == MODEL and metadata["platform"] == "attnserve"
     assert metadata["versions"] == ["1"]
     assert metadata["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
-    assert [o["name"] for o in metadata["outputs"]] == ["output", "finish_reason"]
-    assert {o["datatype"] for o in metadata["outputs"]} == {"BYTES"}
+    assert [(o["name"], o["datatype"]) for o in metadata["outputs"]] == \
+        [("output", "BYTES"), ("finish_reason", "BYTES"), ("score", "FP32")]
     with pytest.raises(InferenceServerException, match="no model 'nope'"):
         triton.get_model_metadata("nope")
 
@@ -102,6 +102,29 @@ def test_infer_with_parameters_and_default_outputs(triton: Any, tiny_url: str) -
     assert set(as_texts(result.as_numpy("finish_reason"))) == {"length"}
 
 
+@pytest.mark.parametrize("binary_out", [False, True])
+def test_infer_returns_scores_and_forces_a_target_prefix(triton: Any, tiny_url: str,
+                                                          binary_out: bool) -> None:
+    parameters = {"beam_size": 2, "return_scores": True, "target_prefix": "a"}
+    result = triton.infer(MODEL, [texts_input(True)], parameters=parameters)
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["output", "finish_reason", "score"]
+    expected = v1_outputs(tiny_url, beam_size=2, return_scores=True, target_prefix="a")
+    assert as_texts(result.as_numpy("output")) == [o["text"] for o in expected]
+    assert all(o["text"].startswith("a") for o in expected)
+    scores = result.as_numpy("score")
+    assert scores.dtype == np.float32 and scores.shape == (len(TEXTS),)
+    assert scores.tolist() == pytest.approx([o["score"] for o in expected], abs=1e-5)
+    # asking for the output by name scores too; without either, no score is computed or sent
+    named = triton.infer(MODEL, [texts_input(False)],
+                         outputs=[httpclient.InferRequestedOutput("score", binary_data=binary_out)])
+    assert [o["name"] for o in named.get_response()["outputs"]] == ["score"]
+    assert ("binary_data_size" in named.get_output("score").get("parameters", {})) == binary_out
+    assert named.as_numpy("score").tolist() == \
+        pytest.approx([o["score"] for o in v1_outputs(tiny_url, return_scores=True)], abs=1e-5)
+    plain = triton.infer(MODEL, [texts_input(False)])
+    assert [o["name"] for o in plain.get_response()["outputs"]] == ["output", "finish_reason"]
+
+
 def test_infer_errors_through_the_client(triton: Any) -> None:
     too_long = httpclient.InferInput("text", [1], "BYTES")
     too_long.set_data_from_numpy(np.array([b"abcdefghijklmno abc"], dtype=np.object_))
@@ -129,6 +152,11 @@ def infer_body(data: Any, **extra: Any) -> dict[str, Any]:
         (infer_body(["abc"], parameters={"temperature": 1.0}), 400, "temperature"),
         (infer_body(["abc"], parameters={"beam_size": "2"}), 400, "beam_size"),
         (infer_body(["abc"], outputs=[{"name": "logits"}]), 400, "unknown output"),
+        (infer_body(["abc"], parameters={"return_scores": "yes"}), 400, "return_scores"),
+        (infer_body(["abc"], parameters={"target_prefix": ["a"]}), 400, "target_prefix"),
+        (infer_body(["abc"], parameters={"target_prefix": "a" * 64}), 400,
+         "parameters.target_prefix: 64 tokens; at most 63 allowed"),
+        (infer_body(["abc"], parameters={"num_hypotheses": 2}), 400, "num_hypotheses"),
         (infer_body([""]), 400, "empty"),
         (infer_body([5]), 400, "strings"),
         (infer_body(["a"] * 17), 400, "at most 16"),

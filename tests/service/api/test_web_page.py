@@ -154,9 +154,10 @@ def test_translate_then_explore_the_heatmap(
     plain = post(base_url, "/v1/translate", {"text": SOURCE})["outputs"][0]
     translation = plain["text"]
     assert browser.evaluate("document.getElementById('output').textContent") == translation
-    # This server gives no token scores: nothing is shaded, and no legend is shown.
+    # The page asks for token scores: each generated token is shaded, with the legend shown.
+    scores = post(base_url, "/v1/translate", {"text": SOURCE, "return_scores": True})["outputs"][0]["token_scores"]
     assert browser.evaluate("[document.querySelectorAll('#output .tok').length,"
-                            " !!document.getElementById('confidence-legend')]") == [0, False]
+                            " !!document.getElementById('confidence-legend')]") == [len(scores), True]
 
     # The page streamed it: one token event at a time (Server-Sent Events), then the output.
     generated = [r for r in browser.requests() if r["url"].endswith("/v1/translate")]

@@ -11,6 +11,7 @@ import pytest
 
 from model.decoding import beam_search, greedy_decode, pad_batch
 from model.transformer import Transformer
+from service.generation.hooks import RowHooks
 from service.generation.search import (
     GenerationResult,
     generate,
@@ -117,17 +118,15 @@ def test_runtime_and_generation_import_no_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False, cwd=Path(__file__).parents[3]).returncode == 0
 
 
-class _Hooks:
+class _Hooks(RowHooks):
     """Records the tokens streamed to it; reads as cancelled from its `cancel_at`-th check (one
     check per decoder step of its row)."""
 
     def __init__(self, cancel_at: int | None = None) -> None:
         self.tokens: list[int] = []
+        super().__init__(on_token=self.tokens.append)
         self.cancel_at = cancel_at
         self.checks = 0
-
-    def on_token(self, token: int) -> None:
-        self.tokens.append(token)
 
     @property
     def cancelled(self) -> bool:

@@ -1,0 +1,109 @@
+"""The decoding options of a generation request beyond its beam size and token limit: scores,
+n-best hypotheses and a target prefix, for `/v1/translate`, `/v1/summarize` (plain and
+streamed) and the KServe v2 infer route.
+
+- `return_scores`: each output's `score` is the sum of the log-probabilities (natural log) of
+  its tokens and of `</s>` when it ended with one (finish_reason "eos"): the probability of the
+  whole sequence, end included; `token_scores` has one log-probability per output token (`</s>`
+  excluded). The same for greedy and beam search; beam search ranks by the length-normalised
+  score instead.
+- `num_hypotheses` n (at most `beam_size`): `hypotheses`, the n best finished hypotheses of the
+  beam search, best first in the beam's own order (score / tokens counting `</s>`), each with
+  its text, score, finish reason and token count (and `token_scores` with `return_scores`); the
+  first is the output itself. Greedy decoding (beam 1) has the one.
+- `target_prefix`: text the output starts with. It is tokenized with the model's tokenizer
+  (no `</s>`) and the decoder is fed its tokens as its first choices, greedy rows in the running
+  batch beside the others, every beam alike; then it decodes freely. The output's text, tokens,
+  scores and `output_tokens` include the prefix, which counts towards `max_new_tokens` and must
+  leave at least one token to generate. A string applies to every text; a list (with `texts`)
+  gives one prefix per text, `""` for none.
+
+The decoding loop sees these through each row's `RowHooks` (`prefix`, `scores`, `hypotheses`);
+a request that asks none of them gets no hooks from here and decodes exactly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from service.api.schemas import Hypothesis
+from service.errors import InvalidInput
+from service.generation.hooks import RowHooks
+from service.runtime.protocol import Runtime
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What a request asks of decoding beyond beam size and token limit (default: nothing)."""
+
+    scores: bool = False  # return_scores
+    hypotheses: int | None = None  # num_hypotheses, when asked
+    prefixes: tuple[tuple[int, ...], ...] = ()  # forced token ids, one per text (or none at all)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the request asks nothing of these options."""
+        return not self.scores and self.hypotheses is None and not any(self.prefixes)
+
+    def row_hooks(self, row: int, on_token: Callable[[int], None] | None = None) -> RowHooks:
+        """The hooks of the request's `row`-th text."""
+        return RowHooks(on_token=on_token, prefix=self.prefixes[row] if self.prefixes else (),
+                        scores=self.scores or self.hypotheses is not None,
+                        hypotheses=self.hypotheses or 1)
+
+    def hooks(self, rows: int) -> list[RowHooks] | None:
+        """The hooks of every row of a request that is not streamed; None for a plain one."""
+        return None if self.plain else [self.row_hooks(row) for row in range(rows)]
+
+    def extras(self, runtime: Runtime, result: Any) -> dict[str, Any]:
+        """The output fields these options add to one generated row (`Output`)."""
+        extra: dict[str, Any] = {}
+        if self.scores:
+            extra.update(_scores(result, with_tokens=True))
+        if self.hypotheses is not None:
+            found = getattr(result, "hypotheses", None) or (result,)
+            extra["hypotheses"] = [
+                Hypothesis(text=runtime.tokenizer.decode(h.tokens), finish_reason=h.finish_reason,
+                           output_tokens=len(h.tokens), **_scores(h, with_tokens=self.scores))
+                for h in found[: self.hypotheses]
+            ]
+        return extra
+
+
+def _scores(result: Any, with_tokens: bool) -> dict[str, Any]:
+    """`score` and, `with_tokens`, `token_scores` of a result that carries them."""
+    found: dict[str, Any] = {}
+    log_prob = getattr(result, "log_prob", None)
+    if log_prob is not None:
+        found["score"] = float(log_prob)
+    token_scores = getattr(result, "token_scores", None)
+    if with_tokens and token_scores is not None:
+        found["token_scores"] = [float(s) for s in token_scores]
+    return found
+
+
+def decode_options(
+    runtime: Runtime, texts: int, beam_size: int, max_new_tokens: int, *,
+    return_scores: bool = False, num_hypotheses: int | None = None,
+    target_prefix: str | Sequence[str] | None = None, where: str = "target_prefix",
+) -> DecodeOptions:
+    """The options of a request of `texts` texts, checked (`InvalidInput`) and the prefixes
+    tokenized; `max_new_tokens` is the request's limit, defaults applied."""
+    if num_hypotheses is not None and not 1 <= num_hypotheses <= beam_size:
+        raise InvalidInput(f"num_hypotheses: {num_hypotheses} asked, but beam_size {beam_size} "
+                           f"gives at most {beam_size}")
+    prefixes: tuple[tuple[int, ...], ...] = ()
+    if target_prefix is not None:
+        given = [target_prefix] * texts if isinstance(target_prefix, str) else list(target_prefix)
+        if len(given) != texts:
+            raise InvalidInput(f"{where}: {len(given)} prefixes for {texts} texts")
+        names = [where] * texts if isinstance(target_prefix, str) else [f"{where}.{i}" for i in range(texts)]
+        encoded = runtime.tokenizer.encode_batch(given)
+        for name, ids in zip(names, encoded, strict=True):
+            if len(ids) >= max_new_tokens:
+                raise InvalidInput(f"{name}: {len(ids)} tokens; at most {max_new_tokens - 1} allowed, "
+                                   f"to leave one of max_new_tokens ({max_new_tokens}) to generate")
+        prefixes = tuple(tuple(int(i) for i in ids) for ids in encoded)
+    return DecodeOptions(scores=return_scores, hypotheses=num_hypotheses, prefixes=prefixes)
