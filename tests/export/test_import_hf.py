@@ -159,3 +159,13 @@ def test_parse_task() -> None:
     assert parse_task("summarize-en") == ("summarize", "en", "en")
     with pytest.raises(ValueError):
         parse_task("translate-en")
+
+
+def test_cli_imports_a_folder(imported: tuple[Any, Path, Path], tmp_path: Path) -> None:
+    from attnserve.cli import main
+
+    out = tmp_path / "translate-en-de"
+    assert main(["import-hf", "--model-dir", str(imported[1]), "--task", "translate-en-de", "--out", str(out),
+                 "--variants", "fp32", "--threads", "1"]) == 0
+    assert (out / "manifest.json").is_file()
+    assert main(["import-hf", "--model-dir", str(imported[1]), "--task", "translate-en", "--out", str(out)]) == 2
