@@ -59,7 +59,7 @@ def parse_task(task: str) -> tuple[str, str, str]:
     raise ValueError(f"task must look like translate-<src>-<tgt> or summarize-<lang>, got {task!r}")
 
 
-def load_marian(model_dir: str | Path) -> nn.Module:
+def load_marian(model_dir: str | Path) -> Any:
     """The folder's MarianMTModel (fp32, eval, eager attention: it returns attention weights)."""
     from transformers import AutoConfig, MarianMTModel
 
@@ -146,7 +146,7 @@ def _copy_attention(ours: nn.Module, theirs: nn.Module) -> None:
 
 
 @torch.no_grad()
-def convert_marian(hf_model: nn.Module, tokenizer: Tokenizer, max_source_len: int = 256,
+def convert_marian(hf_model: Any, tokenizer: Tokenizer, max_source_len: int = 256,
                    max_target_len: int = 128) -> Transformer:
     """A `Transformer` computing what the MarianMTModel computes, with its weights copied."""
     encoder, decoder = hf_model.model.encoder, hf_model.model.decoder
@@ -188,7 +188,7 @@ def _compare(name: str, actual: Tensor, expected: Tensor, tolerance: float, diff
 
 
 @torch.no_grad()
-def check_conversion(hf_model: nn.Module, model: Transformer, sources: Sequence[Sequence[int]],
+def check_conversion(hf_model: Any, model: Transformer, sources: Sequence[Sequence[int]],
                      target_len: int = 6, seed: int = 0) -> dict[str, float]:
     """Teacher-forced forward passes of both models on `sources` (right-padded, ids ending
     with EOS) and random targets after the start token: logits, encoder, decoder self- and

@@ -8,6 +8,7 @@ same path serves training (all target tokens at once) and generation (one token 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,7 @@ class DecoderOutput:
     cross_attentions: list[Tensor]  # per layer (B, h, T, S)
 
 
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
 
 class FeedForward(nn.Module):
