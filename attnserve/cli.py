@@ -39,6 +39,8 @@ SUBCOMMANDS = (
     Subcommand("evaluate", "score a checkpoint on a split (BLEU/chrF or ROUGE)", "model.commands", ("train",)),
     Subcommand("export", "export a checkpoint to an ONNX model repository (parity-checked)",
                "export.commands", ("train", "serve")),
+    Subcommand("import-hf", "convert a local Hugging Face Marian model folder into a model repository",
+               "export.commands", ("train", "serve")),
     Subcommand("check-parity", "check a model repository's ONNX graphs against its PyTorch weights",
                "export.commands", ("train", "serve")),
     Subcommand("serve", "serve the models of a model repository over HTTP", "service.commands", ("serve",)),

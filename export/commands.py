@@ -1,4 +1,4 @@
-"""Subcommands of `attnserve` provided by `export/`: export, check-parity."""
+"""Subcommands of `attnserve` provided by `export/`: export, import-hf, check-parity."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ TASKS = {"translate-en-it": ("translate", "en", "it"), "summarize-en": ("summari
 def register(subcommands: argparse._SubParsersAction) -> None:
     """Add this package's subcommands to the `attnserve` parser."""
     _register_export(subcommands)
+    _register_import_hf(subcommands)
     _register_check_parity(subcommands)
 
 
@@ -111,6 +112,53 @@ def _export(args: argparse.Namespace) -> int:
     print(json.dumps({"model": manifest.name, "size_mb": manifest.exporter.get("size_mb"), "variants": summary,
                       "dropped": manifest.exporter.get("dropped_variants", {})}, indent=2))
     logger.info("export done in %.0fs", time.perf_counter() - started)
+    return 0
+
+
+def _register_import_hf(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser(
+        "import-hf", help="convert a local Hugging Face Marian model folder into a model repository",
+        description="Read a MarianMTModel folder (config.json, weights, source.spm, target.spm, vocab.json; "
+        "never downloads), convert it, check it against transformers, and write a model repository like "
+        "`export` does (graphs with attention outputs, step graph, tokenizer, manifest, parity check). "
+        "Accepts folders whose source.spm and target.spm are one model and whose vocab.json ids are its ids.",
+    )
+    p.add_argument("--model-dir", required=True, help="the Hugging Face model folder")
+    p.add_argument("--task", required=True, help="translate-<src>-<tgt> (e.g. translate-en-de) or summarize-<lang>")
+    p.add_argument("--out", required=True, help="model repository to write, e.g. models/translate-en-de")
+    p.add_argument("--name", default=None, help="model name (default: the --out folder's name)")
+    p.add_argument("--variants", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8", "fp16"],
+                   help="variants to build (fp32 always; the others are not servable without a quality measure)")
+    p.add_argument("--max-source-len", type=int, default=256, help="source tokens including EOS (default 256)")
+    p.add_argument("--max-target-len", type=int, default=128, help="generated tokens including EOS (default 128)")
+    p.add_argument("--max-size-mb", type=float, default=0.0, help="size budget of the repository; 0 = none")
+    p.add_argument("--threads", type=int, default=0, help="torch and onnxruntime threads (0: default)")
+    p.set_defaults(func=_import_hf)
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    import torch
+
+    from export.hf_import import UnsupportedModel, import_hf
+    from export.parity import ParityError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        manifest = import_hf(
+            args.model_dir, args.out, task=args.task, name=args.name,
+            variants=["fp32", *[v for v in args.variants if v != "fp32"]], max_source_len=args.max_source_len,
+            max_target_len=args.max_target_len, max_size_mb=args.max_size_mb or None, threads=args.threads,
+        )
+    except (UnsupportedModel, ValueError) as error:
+        logger.error("cannot import %s: %s", args.model_dir, error)
+        return 2
+    except ParityError as error:
+        logger.error("the imported model disagrees: %s", error)
+        return 1
+    print(json.dumps({"model": manifest.name, "size_mb": manifest.exporter.get("size_mb"),
+                      "variants": {name: v.servable for name, v in manifest.variants.items()},
+                      "transformers_parity": manifest.exporter["source"]["transformers_parity"]}, indent=2))
     return 0
 
 

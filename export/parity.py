@@ -4,7 +4,7 @@ For a batch of one source and a batch of several sources of mixed lengths (right
 1. encoder: every layer's self-attention and the cross-attention keys/values;
 2. greedy decoding through onnxruntime (`service.generation.search`, key/value cache, rows leaving
    the batch) gives exactly the tokens and finish reasons of `model.decoding.greedy_decode`;
-3. without cache: one decoder call on BOS + those tokens (past length 0, right-padded target)
+3. without cache: one decoder call on the start token (BOS unless the model names another) + those tokens (past length 0, right-padded target)
    matches PyTorch's logits, present keys/values and self-/cross-attention;
 4. with cache: the same targets fed one token a step, each step on the previous step's
    present keys/values, match step t of PyTorch's teacher-forced call.
@@ -137,8 +137,8 @@ def _check_case(model: Transformer, runtime: ModelRuntime, sources: list[list[in
     for row, (e, a) in enumerate(zip(expected_gen, actual_gen, strict=True)):
         if (e.tokens, e.finish_reason) != (a.tokens, a.finish_reason):
             raise TokenMismatch(compare.case, row, (e.tokens, e.finish_reason), (a.tokens, a.finish_reason))
-    # 3. without cache: BOS + the generated tokens in one call, right-padded
-    targets = [[config.bos_id, *g.tokens] for g in expected_gen]
+    # 3. without cache: the start token + the generated tokens in one call, right-padded
+    targets = [[config.start_id, *g.tokens] for g in expected_gen]
     target_np = runtime.pad(targets)
     target_mask_np = np.zeros(target_np.shape, dtype=bool)
     for row, ids in enumerate(targets):

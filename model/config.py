@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+ACTIVATIONS = ("relu", "gelu", "swish")
+POSITION_LAYOUTS = ("interleaved", "halves")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -32,10 +35,25 @@ class ModelConfig:
     eos_id: int = 3
     norm_first: bool = True  # pre-LayerNorm (stable without long warm-up); False = the paper's post-LN
     tie_embeddings: bool = True
+    # Variations of imported models (`export.hf_import`); the defaults are our own architecture.
+    activation: str = "relu"  # feed-forward activation: "relu" | "gelu" | "swish"
+    position_layout: str = "interleaved"  # sinusoids: sin/cos alternating; "halves": all sines, then cosines
+    scale_embedding: bool = True  # token embeddings * sqrt(d_model)
+    output_bias: bool = False  # the output projection adds a bias (Marian's final_logits_bias)
+    decoder_start_id: int | None = None  # the decoder's first input token; None: bos_id
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.position_layout not in POSITION_LAYOUTS:
+            raise ValueError(f"position_layout must be one of {POSITION_LAYOUTS}, got {self.position_layout!r}")
+
+    @property
+    def start_id(self) -> int:
+        """The token the decoder starts from: `decoder_start_id`, else bos."""
+        return self.bos_id if self.decoder_start_id is None else self.decoder_start_id
 
     @property
     def head_dim(self) -> int:

@@ -58,7 +58,7 @@ def greedy_decode(
     scores = [0.0] * batch
     active = torch.arange(batch)  # original row index of each row still decoding
     cache = start
-    prefix = torch.full((batch, 1), config.bos_id, dtype=torch.long)  # (B_active, t+1)
+    prefix = torch.full((batch, 1), config.start_id, dtype=torch.long)  # (B_active, t+1)
     for step in range(max_new_tokens):
         if use_cache:
             output = model.decode(prefix[:, -1:], cache, need_weights=False)
@@ -107,7 +107,7 @@ def beam_search(
     beam_tokens: list[list[int]] = [[] for _ in range(batch * k)]
     beam_scores = torch.zeros(batch, k)
     beam_scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-    last = torch.full((batch * k, 1), config.bos_id, dtype=torch.long)
+    last = torch.full((batch * k, 1), config.start_id, dtype=torch.long)
     finished: list[list[Generation]] = [[] for _ in range(batch)]
     open_rows = list(range(batch))  # source rows still searching; beams of row b sit at b*k..b*k+k-1
     for step in range(max_new_tokens):

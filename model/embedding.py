@@ -8,8 +8,9 @@ import torch
 from torch import Tensor, nn
 
 
-def sinusoidal_encoding(positions: Tensor, d_model: int) -> Tensor:
-    """(B, T) absolute positions -> (B, T, D): sin on even, cos on odd channels (section 3.5).
+def sinusoidal_encoding(positions: Tensor, d_model: int, layout: str = "interleaved") -> Tensor:
+    """(B, T) absolute positions -> (B, T, D): sin on even, cos on odd channels (section 3.5);
+    with layout "halves" (Marian's), the sines in channels 0..D/2-1 and the cosines after them.
 
     Computed from the positions rather than read from a table, so rows of one batch may sit at
     different positions (continuous batching) and there is no maximum length.
@@ -17,15 +18,20 @@ def sinusoidal_encoding(positions: Tensor, d_model: int) -> Tensor:
     channel = torch.arange(0, d_model, 2, device=positions.device, dtype=torch.float32)  # (D/2,)
     inv_freq = torch.exp(channel * (-math.log(10000.0) / d_model))  # (D/2,)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # (B, T, D/2)
+    if layout == "halves":
+        return torch.cat((angles.sin(), angles.cos()), dim=-1)  # (B, T, D)
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B, T, D)
 
 
 class Embedding(nn.Module):
-    """Token embedding * sqrt(d_model) + positional encoding, then dropout."""
+    """Token embedding * sqrt(d_model) (unless `scale` is False) + positional encoding, then dropout."""
 
-    def __init__(self, vocab_size: int, d_model: int, pad_id: int, dropout: float) -> None:
+    def __init__(self, vocab_size: int, d_model: int, pad_id: int, dropout: float, scale: bool = True,
+                 layout: str = "interleaved") -> None:
         super().__init__()
         self.d_model = d_model
+        self.scale = math.sqrt(d_model) if scale else 1.0
+        self.layout = layout
         self.tokens = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         nn.init.normal_(self.tokens.weight, mean=0.0, std=d_model**-0.5)
         with torch.no_grad():
@@ -34,5 +40,5 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """(B, T) ids and (B, T) positions -> (B, T, D)."""
-        x = self.tokens(tokens) * math.sqrt(self.d_model)  # (B, T, D)
-        return self.dropout(x + sinusoidal_encoding(positions, self.d_model).to(x.dtype))
+        x = self.tokens(tokens) * self.scale  # (B, T, D)
+        return self.dropout(x + sinusoidal_encoding(positions, self.d_model, self.layout).to(x.dtype))

@@ -8,6 +8,7 @@ same path serves training (all target tokens at once) and generation (one token 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,17 +67,21 @@ class DecoderOutput:
     cross_attentions: list[Tensor]  # per layer (B, h, T, S)
 
 
-class FeedForward(nn.Module):
-    """Position-wise feed-forward network: Linear -> ReLU -> Linear (section 3.3)."""
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network: Linear -> ReLU (or `activation`) -> Linear (section 3.3)."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str = "relu") -> None:
         super().__init__()
         self.inner = nn.Linear(d_model, d_ff)
         self.outer = nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
+        self.activation = _ACTIVATIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.outer(self.dropout(F.relu(self.inner(x))))
+        return self.outer(self.dropout(self.activation(self.inner(x))))
 
 
 class Sublayer(nn.Module):
@@ -104,7 +109,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attention = MultiHeadAttention(config.d_model, config.n_heads, config.dropout)
-        self.feed_forward = FeedForward(config.d_model, config.d_ff, config.dropout)
+        self.feed_forward = FeedForward(config.d_model, config.d_ff, config.dropout, config.activation)
         self.attention_sublayer = Sublayer(config.d_model, config.dropout, config.norm_first)
         self.feed_forward_sublayer = Sublayer(config.d_model, config.dropout, config.norm_first)
 
@@ -125,7 +130,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attention = MultiHeadAttention(config.d_model, config.n_heads, config.dropout)
         self.cross_attention = MultiHeadAttention(config.d_model, config.n_heads, config.dropout)
-        self.feed_forward = FeedForward(config.d_model, config.d_ff, config.dropout)
+        self.feed_forward = FeedForward(config.d_model, config.d_ff, config.dropout, config.activation)
         self.self_sublayer = Sublayer(config.d_model, config.dropout, config.norm_first)
         self.cross_sublayer = Sublayer(config.d_model, config.dropout, config.norm_first)
         self.feed_forward_sublayer = Sublayer(config.d_model, config.dropout, config.norm_first)
@@ -174,8 +179,10 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.source_embedding = Embedding(config.vocab_size, config.d_model, config.pad_id, config.dropout)
-        self.target_embedding = Embedding(config.vocab_size, config.d_model, config.pad_id, config.dropout)
+        self.source_embedding = Embedding(config.vocab_size, config.d_model, config.pad_id, config.dropout,
+                                          config.scale_embedding, config.position_layout)
+        self.target_embedding = Embedding(config.vocab_size, config.d_model, config.pad_id, config.dropout,
+                                          config.scale_embedding, config.position_layout)
         if config.tie_embeddings:
             self.target_embedding.tokens.weight = self.source_embedding.tokens.weight
         self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
@@ -183,12 +190,14 @@ class Transformer(nn.Module):
         # pre-LN stacks end with a LayerNorm; post-LN outputs are already normalised
         self.encoder_norm = nn.LayerNorm(config.d_model) if config.norm_first else nn.Identity()
         self.decoder_norm = nn.LayerNorm(config.d_model) if config.norm_first else nn.Identity()
-        self.output_projection = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.output_projection = nn.Linear(config.d_model, config.vocab_size, bias=config.output_bias)
         if config.tie_embeddings:
             self.output_projection.weight = self.target_embedding.tokens.weight
         self._init_linear_weights()
 
     def _init_linear_weights(self) -> None:
+        if self.output_projection.bias is not None:
+            nn.init.zeros_(self.output_projection.bias)
         for name, parameter in self.named_parameters():
             if parameter.dim() == 2 and "embedding" not in name and "output_projection" not in name:
                 nn.init.xavier_uniform_(parameter)
@@ -250,7 +259,7 @@ class Transformer(nn.Module):
         return DecoderOutput(logits, DecoderCache(layers, cache.source_mask), self_attentions, cross_attentions)
 
     def forward(self, source: Tensor, target_input: Tensor, need_weights: bool = False) -> Tensor:
-        """Teacher forcing: (B, S) source and (B, T) target input (BOS + target) -> (B, T, V) logits."""
+        """Teacher forcing: (B, S) source and (B, T) target input (start token + target) -> (B, T, V) logits."""
         encoded = self.encode(source, need_weights)
         target_mask = padding_mask(target_input, self.config.pad_id)  # (B, T)
         return self.decode(target_input, self.start_decoding(encoded), target_mask, need_weights=need_weights).logits

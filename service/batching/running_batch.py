@@ -177,7 +177,7 @@ class RunningBatch(Generic[Owner]):
             self._source_mask[rows, :width] = state.source_mask
             self._target_mask[rows] = False
             self._positions[rows] = 0
-            self._last[rows] = self.runtime.bos_id
+            self._last[rows] = self.runtime.decoder_start_id
         for slot, member in zip(dead, members, strict=False):
             self._members[slot] = member
         return True
@@ -185,7 +185,7 @@ class RunningBatch(Generic[Owner]):
     def _rebuild(self, newcomers: list[EncoderState]) -> None:
         """One copy of every array: live rows kept, columns no live row uses trimmed, the
         newcomers (encoded in groups) appended: cross keys/values padded to the longest source,
-        cache positions masked, position 0, BOS."""
+        cache positions masked, position 0, the start token."""
         keep = np.asarray([i for i, m in enumerate(self._members) if m is not None], dtype=np.int64)
         self._members = [m for m in self._members if m is not None]
         kept = len(keep)
@@ -244,4 +244,4 @@ class RunningBatch(Generic[Owner]):
             row += state.source_mask.shape[0]
         self._source_mask, self._target_mask = source_mask, target_mask
         self._positions = np.concatenate([self._positions[keep], np.zeros(count, dtype=np.int64)])
-        self._last = np.concatenate([self._last[keep], np.full(count, self.runtime.bos_id, dtype=np.int64)])
+        self._last = np.concatenate([self._last[keep], np.full(count, self.runtime.decoder_start_id, dtype=np.int64)])

@@ -131,7 +131,7 @@ class SlotBatch(Generic[Owner]):
             self._source_mask[row:row + count, :w] = state.source_mask
             row += count
         self._positions[live:rows] = 0  # the slot's old columns are never read: the graph reads 0..position
-        self._last[live:rows] = self.runtime.bos_id
+        self._last[live:rows] = self.runtime.decoder_start_id
         self._members += members
 
     def generate_token(self) -> list[tuple[Owner, GenerationResult]]:

@@ -140,7 +140,7 @@ def decoder_input(runtime: Runtime, tokens: Sequence[int], ended_with_eos: bool
     The rows are the generation steps: one per token, plus one for EOS if it was generated.
     """
     rows = len(tokens) + int(ended_with_eos)
-    return [runtime.bos_id, *tokens][: max(rows, 1)], rows
+    return [runtime.decoder_start_id, *tokens][: max(rows, 1)], rows
 
 
 def cross_attention(runtime: Runtime, sources: list[list[int]],
@@ -149,11 +149,11 @@ def cross_attention(runtime: Runtime, sources: list[list[int]],
     `(layers, heads, len(decoder input), len(source))` each.
 
     One encoder and one decoder call for the whole batch (sources ending with EOS, decoder
-    inputs starting with BOS); padding is masked, and causal attention never reads it.
+    inputs starting with the start token); padding is masked, and causal attention never reads it.
     """
     state = runtime.encode(runtime.pad(sources))
     width = max(len(ids) for ids in decoder_inputs)
-    decoder_ids = np.full((len(decoder_inputs), width), runtime.bos_id, dtype=np.int64)  # (B, T)
+    decoder_ids = np.full((len(decoder_inputs), width), runtime.decoder_start_id, dtype=np.int64)  # (B, T)
     target_mask = np.zeros((len(decoder_inputs), width), dtype=bool)  # (B, T)
     for row, ids in enumerate(decoder_inputs):
         decoder_ids[row, : len(ids)] = ids
@@ -182,7 +182,7 @@ def word_alignments(runtime: Runtime, texts: list[str], sources: list[list[int]]
     source text (`sources`: its ids, ending with EOS), from one teacher-forced pass of
     `<s>` + output for the whole batch."""
     tokenizer = runtime.tokenizer
-    maps = cross_attention(runtime, sources, [[runtime.bos_id, *tokens] for tokens in outputs])
+    maps = cross_attention(runtime, sources, [[runtime.decoder_start_id, *tokens] for tokens in outputs])
     found = []
     for text, cross, tokens in zip(texts, maps, outputs, strict=True):
         _, source_spans = tokenizer.encode_with_offsets(text)

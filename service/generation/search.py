@@ -190,7 +190,7 @@ def greedy(
                                 token_scores=tuple(asked), log_prob=summed[row])
 
     active = np.arange(batch)  # original row of each row still decoding
-    last = np.full((batch, 1), runtime.bos_id, dtype=np.int64)
+    last = np.full((batch, 1), runtime.decoder_start_id, dtype=np.int64)
     cache: KVCache | None = None
     stop = StoppingCriteria(runtime.eos_id, max_new_tokens)
     for _ in range(max_new_tokens):
@@ -246,7 +246,7 @@ def beam_search(
     beam_token_scores: list[list[float]] = [[] for _ in range(batch * k)]
     beam_scores = np.zeros((batch, k), dtype=np.float32)
     beam_scores[:, 1:] = -np.inf  # all beams start identical: expand only the first
-    last = np.full((batch * k, 1), runtime.bos_id, dtype=np.int64)
+    last = np.full((batch * k, 1), runtime.decoder_start_id, dtype=np.int64)
     finished: list[list[GenerationResult]] = [[] for _ in range(batch)]
     cancelled: dict[int, GenerationResult] = {}
     open_rows = list(range(batch))
@@ -335,7 +335,7 @@ class AttentionMaps:
     """Attention of one source/target pair, per layer, each (heads, queries, keys)."""
 
     source_ids: list[int]  # the encoder's tokens (ending with EOS)
-    decoder_ids: list[int]  # the decoder's input tokens: BOS + target
+    decoder_ids: list[int]  # the decoder's input tokens: the start token (BOS unless the model names another) + target
     encoder: list[np.ndarray]  # (h, S, S)
     decoder: list[np.ndarray]  # (h, T, T): query i is the step that predicts target token i (then EOS)
     cross: list[np.ndarray]  # (h, T, S)
@@ -345,7 +345,7 @@ def teacher_forced_attention(runtime: Runtime, source_ids: list[int], target_ids
     """Encoder, decoder and cross attention of `target_ids` (no BOS/EOS) given `source_ids`
     (ending with EOS): one encoder call and one decoder call with past length 0."""
     state = runtime.encode(np.asarray([source_ids], dtype=np.int64), need_attention=True)
-    decoder_ids = [runtime.bos_id, *target_ids]
+    decoder_ids = [runtime.decoder_start_id, *target_ids]
     step = runtime.decode(np.asarray([decoder_ids], dtype=np.int64), state, need_attention=True)
     assert state.attentions is not None and step.self_attentions is not None and step.cross_attentions is not None
     return AttentionMaps(

@@ -174,6 +174,11 @@ class ModelRuntime:
         return self.manifest.config.bos_id
 
     @property
+    def decoder_start_id(self) -> int:
+        """The decoder's first input token (bos, or the model's own start token, e.g. Marian's pad)."""
+        return self.manifest.config.start_id
+
+    @property
     def eos_id(self) -> int:
         return self.manifest.config.eos_id
 
@@ -339,13 +344,13 @@ class ModelRuntime:
         costs), and two steps of the step graph when there is one."""
         source = self.pad([[self.unk_id, self.eos_id], [self.eos_id]])
         state = self.encode(source, need_attention=True)
-        step = self.decode(np.full((2, 1), self.bos_id, dtype=np.int64), state, need_attention=True)
+        step = self.decode(np.full((2, 1), self.decoder_start_id, dtype=np.int64), state, need_attention=True)
         self.decode(np.full((2, 1), self.eos_id, dtype=np.int64), state, step.cache)
         if self.step is not None:
             buffers = CacheBuffers(self.n_decoder_layers, 2, self.n_heads, 4, self.head_dim)
             cross = [to_numpy(t) for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
             for position in (0, 1):
-                run_step(self.step, np.full((2, 1), self.bos_id, dtype=np.int64),
+                run_step(self.step, np.full((2, 1), self.decoder_start_id, dtype=np.int64),
                          np.full((2, 1), position, dtype=np.int64), state.source_mask, cross, buffers)
 
 
