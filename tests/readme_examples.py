@@ -1,12 +1,12 @@
-"""The README's examples as data, and the rule that compares what they print with what the
-README says they print.
+"""The examples of the user manual (README.md and docs/api.md, `MANUAL`) as data, and the rule
+that compares what they print with what the manual says they print.
 
 An example is a fenced `bash` block whose command is `curl`, or a fenced `python` block,
 immediately followed by a fenced `json` or `text` block: the documented output. Rules:
 
 - json: the output parses as JSON and matches the documented value: equal scalars, lists of
   the same length, dicts with the same keys. The string `"..."` matches any value, and a
-  dict entry `"...": "..."` allows keys the README does not list.
+  dict entry `"...": "..."` allows keys the page does not list.
 - text: line by line, blank lines ignored; `...` inside a line matches any characters, and a
   line that is only `...` matches any number of lines.
 """
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+MANUAL = ("README.md", "docs/api.md")  # the pages whose examples CI runs, relative to a checkout
 DOCUMENTED_ADDRESS = "localhost:8000"
 ANY = "..."
 
@@ -31,13 +32,13 @@ _FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.MULTILINE | re.DOTALL)
 
 @dataclass(frozen=True)
 class Example:
-    """A runnable block of the README and the output documented after it."""
+    """A runnable block of a manual page and the output documented after it."""
 
     language: str  # "bash" or "python"
     code: str
     output_language: str  # "json" or "text"
     output: str
-    line: int  # line of the README where the block starts
+    line: int  # line of the page where the block starts
 
     def run(self, address: str, python: str = sys.executable, timeout: float = 60.0) -> subprocess.CompletedProcess:
         """Run the block against a server at `address` (host:port); curl fails on an HTTP error."""
@@ -64,7 +65,7 @@ def examples(markdown: str) -> list[Example]:
         documented = following is not None and following[3] == end and following[0] in ("json", "text")
         if not documented:
             if is_curl:
-                raise ValueError(f"README line {line}: a curl example without its output after it")
+                raise ValueError(f"line {line}: a curl example without its output after it")
             continue
         found.append(Example(language, code, following[0], following[1], line))
     return found

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.readme_examples import examples, mismatch
+from tests.readme_examples import MANUAL, examples, mismatch
 from tests.service.test_serve import free_port
 
 pytestmark = pytest.mark.newcomer
@@ -86,15 +86,15 @@ def test_make_serve_runs_every_readme_example(clone: Path, tmp_path: Path) -> No
     port = free_port()
     with _running(["make", "serve", f"PORT={port}"], clone, port, tmp_path / "serve.log",
                   INSTALL_AND_START_S) as server:
-        found = examples((clone / "README.md").read_text(encoding="utf-8"))
-        assert len(found) >= 10
+        found = [(page, e) for page in MANUAL for e in examples((clone / page).read_text(encoding="utf-8"))]
+        assert len(found) >= 10 and {page for page, _ in found} == set(MANUAL)
         failures = []
-        for example in found:
+        for page, example in found:
             result = example.run(f"localhost:{port}")
             if result.returncode != 0:
-                failures.append(f"README line {example.line}: exit {result.returncode}: {result.stderr[-500:]}")
+                failures.append(f"{page} line {example.line}: exit {result.returncode}: {result.stderr[-500:]}")
             elif (differs := mismatch(example, result.stdout)) is not None:
-                failures.append(f"README line {example.line}: {differs}")
+                failures.append(f"{page} line {example.line}: {differs}")
         assert not failures, "\n".join(failures)
         _sigterm_server(server)
 

@@ -1,14 +1,22 @@
-"""The README's examples: how they are found and compared (the newcomer stage runs them)."""
+"""The user manual's examples: how they are found and compared (the newcomer stage runs them)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.readme_examples import README, Example, examples, json_mismatch, mismatch, text_mismatch
+from tests.readme_examples import (
+    MANUAL,
+    ROOT,
+    Example,
+    examples,
+    json_mismatch,
+    mismatch,
+    text_mismatch,
+)
 
 
-def test_the_readme_documents_every_route_with_a_checked_example() -> None:
-    found = examples(README.read_text(encoding="utf-8"))
+def test_the_manual_documents_every_route_with_a_checked_example() -> None:
+    found = [e for page in MANUAL for e in examples((ROOT / page).read_text(encoding="utf-8"))]
     code = "\n".join(e.code for e in found)
     for route in ("/v1/translate", "/v1/summarize", "/v1/attention", "/v1/models", "/health/live",
                   "/health/ready", "/metrics", "/v2/models/translate-en-it/infer", '"stream":true',
