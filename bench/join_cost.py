@@ -42,7 +42,7 @@ def _slots(runtime: Any) -> Any:
 
 
 # mode -> a running batch over the runtime; the service's batch is the step graph's when the
-# model has one (`service.registry.onnx_running_batch`), else the second
+# model has one (`service.core.registry.onnx_running_batch`), else the second
 MODES: dict[str, Callable[[Any], Any]] = {
     "step graph, each row in its own slot": _slots,
     "merged decoder, dead slots filled in place": _merged(4, False),

@@ -56,7 +56,7 @@ def server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     if args.models is None:
         env.update(FAKE_ENV)
         command = [sys.executable, "-m", "uvicorn", "tests.service.load_app:create_load_app",
-                   "--factory", "--http", "service.server:GuardedProtocol", "--host",
+                   "--factory", "--http", "service.process.http:GuardedProtocol", "--host",
                    "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning"]
     else:
         script = shutil.which("attnserve", path=str(Path(sys.executable).parent)) \

@@ -12,7 +12,7 @@ after reading the rest of the body (up to `DRAIN_BYTES`) so that a client that s
 before it reads -- most do -- gets the 413 rather than a reset connection. Routers declare full
 paths (no prefixes), so the matched route's `path` is the template whichever way FastAPI
 includes routers. The connection-level guards (header timeout, connection cap) are the
-server's: `service.server`.
+server's: `service.process.http`.
 
 Security and operations: the inference routes take JSON only (415) and need the bearer token
 when `api_key` is set (`service.api.auth`); CORS is closed unless `cors_origins` lists origins;
@@ -40,8 +40,7 @@ from service.api.deadline import HEADER as TIMEOUT_HEADER
 from service.api.errors import error_response, install_error_handlers
 from service.api.media_type import require_json
 from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
-from service.observability import metrics
-from service.registry import (
+from service.core.registry import (
     GeneratorFactory,
     Loader,
     ModelRegistry,
@@ -50,7 +49,8 @@ from service.registry import (
     onnx_loader,
     onnx_running_batch,
 )
-from service.settings import Settings
+from service.core.settings import Settings
+from service.observability import metrics
 
 logger = logging.getLogger(__name__)
 

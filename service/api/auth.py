@@ -16,8 +16,8 @@ import hmac
 
 from fastapi import Request
 
-from service.errors import Unauthorized
-from service.settings import Settings
+from service.core.errors import Unauthorized
+from service.core.settings import Settings
 
 SCHEME = "bearer"
 

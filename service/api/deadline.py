@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from service.errors import InvalidInput
-from service.settings import Settings
+from service.core.errors import InvalidInput
+from service.core.settings import Settings
 
 HEADER = "X-Request-Timeout-Ms"
 MAX_HEADER_CHARS = 12

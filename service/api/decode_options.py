@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from service.api.schemas import Hypothesis
-from service.errors import InvalidInput
+from service.core.errors import InvalidInput
 from service.generation.hooks import RowHooks
 from service.runtime.protocol import Runtime
 

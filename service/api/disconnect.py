@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from service.errors import ClientDisconnected
+from service.core.errors import ClientDisconnected
 from service.observability import metrics
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Any
 
 import sentencex
 
-from service.errors import InvalidInput
+from service.core.errors import InvalidInput
 
 _LINE_BREAK = re.compile(r"([\n\r\u2028\u2029])")  # one character: no backtracking
 _WORD = re.compile(r"\S+")

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from service.errors import (
+from service.core.errors import (
     ClientDisconnected,
     DeadlineExceeded,
     InternalError,

@@ -46,7 +46,7 @@ from pydantic import (
 
 from service.api.errors import describe_validation_errors
 from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, PrefixText, clean_text
-from service.errors import InvalidInput, shorten
+from service.core.errors import InvalidInput, shorten
 
 PLATFORM = "attnserve"
 MODEL_VERSION = "1"

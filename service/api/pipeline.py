@@ -28,11 +28,11 @@ from service.api.disconnect import unless_disconnected
 from service.api.documents import Document
 from service.api.schemas import Output, Usage
 from service.batching.batcher import Generated
-from service.errors import DeadlineExceeded, InvalidInput
+from service.core.errors import DeadlineExceeded, InvalidInput
+from service.core.registry import ModelEntry
+from service.core.settings import Settings
 from service.observability import metrics
-from service.registry import ModelEntry
 from service.runtime.protocol import Runtime
-from service.settings import Settings
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """Transport schemas of the HTTP API: what goes over the wire, with its hard limits.
 
-The hard limits are the ceilings of `service.limits`; the configured ones (`Settings.max_texts`,
+The hard limits are the ceilings of `service.core.limits`; the configured ones (`Settings.max_texts`,
 `max_text_chars`, the model's token limits) are at most these and are checked after parsing,
 with the same 422 error body. Internal types (batch items, generations) live elsewhere.
 """
@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, model_validator
 
-from service.limits import (
+from service.core.limits import (
     MAX_ATTENTION_INDICES,
     MAX_BEAM_SIZE,
     MAX_DECIMALS,

@@ -43,10 +43,10 @@ from service.api import pipeline
 from service.api.deadline import Deadline
 from service.api.pipeline import Prepared
 from service.batching.batcher import Generated
-from service.errors import DeadlineExceeded, InternalError, ServiceError
+from service.core.errors import DeadlineExceeded, InternalError, ServiceError
+from service.core.settings import Settings
 from service.generation import attention_maps
 from service.observability import metrics
-from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 

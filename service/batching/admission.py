@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.batching.policy import BatchLimits, RowKey
-from service.errors import DeadlineExceeded, NotReady, Overloaded
+from service.core.errors import DeadlineExceeded, NotReady, Overloaded
 from service.generation.hooks import RowHooks
 from service.observability import metrics
 

@@ -42,7 +42,7 @@ from service.batching.admission import AdmissionQueue, QueuedRow
 from service.batching.in_flight import InFlightBatch
 from service.batching.policy import BatchLimits, RowKey
 from service.batching.stepper import Stepper
-from service.errors import InternalError, NotReady
+from service.core.errors import InternalError, NotReady
 from service.generation.hooks import RowHooks
 from service.observability import metrics
 

@@ -7,7 +7,7 @@ default one, so `GET /metrics` exports only these and tests can build fresh apps
 
 One process, one worker by default: the batcher must own the model in one process to group
 requests, so the service scales out with replicas (compose, Kubernetes). `--workers N`
-(`service.workers`) runs N independent processes on one port, each with its own models,
+(`service.process.workers`) runs N independent processes on one port, each with its own models,
 batcher and metrics; prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`) is not
 used, so prefer one worker per replica where the metrics must add up: each replica is
 scraped on its own and Prometheus sums across them.

@@ -52,7 +52,7 @@ def test_help_lists_every_subcommand_and_loads_none(capsys: pytest.CaptureFixtur
     probe = ("import sys\nfrom attnserve.cli import main\n"
              "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
              "print(sorted(m for m in ('model.commands', 'export.commands', 'bench.commands', "
-             "'service.commands') if m in sys.modules))\n")
+             "'service.process.commands') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout
     assert all(s.name in out for s in cli.SUBCOMMANDS)
     assert out.strip().splitlines()[-1] == "[]"

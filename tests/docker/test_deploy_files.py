@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
+from service.core.settings import Settings
 from service.observability import metrics
-from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 
 from service.api.app import create_app
-from service.settings import Settings
+from service.core.settings import Settings
 from tests.service.fakes import FakeLoader, FakeModel, write_models
 
 MODELS = {"translate-en-it": "translate", "summarize-en": "summarize"}

@@ -18,7 +18,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from service.api.app import create_app
-from service.settings import Settings
+from service.core.settings import Settings
 from tests.service.fakes import FakeLoader, FakeModel, write_models
 
 

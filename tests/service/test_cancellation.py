@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from service.api.app import create_app
+from service.core.settings import Settings
 from service.observability.metrics import REGISTRY
-from service.settings import Settings
 from tests.service.conftest import serving
 from tests.service.fakes import FakeLoader, FakeModel, FakeRunningBatch
 from tests.service.live_server import serve, wait_until_ready

@@ -66,7 +66,7 @@ async def test_a_broken_model_file_leaves_the_server_live_not_ready(
     broken = tmp_path / "models" / "broken"
     shutil.copytree(tiny_model_repository, broken)
     damage(broken / file_name)
-    caplog.set_level(logging.ERROR, logger="service.registry")
+    caplog.set_level(logging.ERROR, logger="service.core.registry")
     app = create_app(tiny_settings(tmp_path / "models"))
     async with serving(app, wait_ready=False) as client:
         [card] = (await wait_until_settled(client, timeout_s=60)).values()

@@ -114,7 +114,7 @@ async def test_a_request_queued_past_its_deadline_gets_504_and_never_runs(
 async def test_the_batcher_fails_rows_still_queued_at_their_deadline() -> None:
     from service.batching.batcher import Batcher
     from service.batching.policy import BatchLimits
-    from service.errors import DeadlineExceeded
+    from service.core.errors import DeadlineExceeded
     from tests.service.fakes import CharTokenizer
 
     model = FakeModel(delay_s=0.2)
@@ -199,7 +199,7 @@ async def test_a_queued_request_whose_client_left_is_dropped_and_counted(
 async def test_an_exception_in_one_batch_fails_only_that_batch(error: type[Exception]) -> None:
     from service.batching.batcher import Batcher
     from service.batching.policy import BatchLimits
-    from service.errors import InternalError
+    from service.core.errors import InternalError
     from tests.service.fakes import CharTokenizer, reverse
 
     tokens = CharTokenizer()

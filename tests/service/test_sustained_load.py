@@ -66,7 +66,7 @@ def load_server() -> Iterator[tuple[str, int]]:
         env = dict(os.environ)
     else:
         command = [sys.executable, "-m", "uvicorn", "tests.service.load_app:create_load_app",
-                   "--factory", "--http", "service.server:GuardedProtocol", "--host",
+                   "--factory", "--http", "service.process.http:GuardedProtocol", "--host",
                    "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning"]
         env = {**os.environ, **SERVER_ENV}
     process = subprocess.Popen(command, cwd=ROOT, env=env)

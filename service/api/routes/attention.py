@@ -21,11 +21,11 @@ from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.api.routes.generate import ERROR_RESPONSES
 from service.api.schemas import AttentionRequest, AttentionResponse
-from service.errors import InvalidInput
+from service.core.errors import InvalidInput
+from service.core.settings import Settings
 from service.generation import attention_maps
 from service.generation.attention_maps import Selection
 from service.runtime.protocol import Runtime
-from service.settings import Settings
 
 router = APIRouter(tags=["attention"])
 

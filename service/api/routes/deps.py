@@ -10,8 +10,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.registry import ModelRegistry
-from service.settings import Settings
+from service.core.registry import ModelRegistry
+from service.core.settings import Settings
 
 
 async def get_settings(request: Request) -> Settings:

@@ -29,10 +29,10 @@ from service.api.decode_options import decode_options
 from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
+from service.core.registry import ModelRegistry
+from service.core.settings import Settings
 from service.generation import attention_maps
-from service.registry import ModelRegistry
 from service.runtime.protocol import Runtime
-from service.settings import Settings
 
 router = APIRouter(tags=["generate"])
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from service.api.routes.deps import RegistryDep
 from service.api.schemas import ErrorBody, Health
-from service.errors import NotReady
+from service.core.errors import NotReady
 
 router = APIRouter(tags=["health"])
 

@@ -27,8 +27,8 @@ from service.api.deadline import request_deadline
 from service.api.decode_options import decode_options
 from service.api.errors import describe_validation_errors, status_of
 from service.api.routes.deps import RegistryDep, SettingsDep
-from service.errors import ModelNotFound, ServiceError, shorten
-from service.registry import ModelEntry, ModelRegistry
+from service.core.errors import ModelNotFound, ServiceError, shorten
+from service.core.registry import ModelEntry, ModelRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """`GET /v1/models`: every model, its state, execution provider, variant and batch counters.
 
 With `api_key` set it needs the token (unless `public_metadata`). A load error is shown without
-the server's file-system paths (`service.registry.public_error`); the log has them.
+the server's file-system paths (`service.core.registry.public_error`); the log has them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends
 from service.api.auth import require_api_key_for_metadata
 from service.api.routes.deps import RegistryDep
 from service.api.schemas import BatchCounters, ErrorBody, ModelCard, ModelList
-from service.registry import ModelEntry
+from service.core.registry import ModelEntry
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key_for_metadata)])
 

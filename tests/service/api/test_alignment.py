@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from service.api.app import create_app
+from service.core.settings import Settings
 from service.generation import alignment
-from service.settings import Settings
 from tests.service.conftest import serving, tiny_settings
 from tests.service.fakes import FakeLoader, FakeModel, write_models
 

@@ -20,7 +20,7 @@ from model.decoding import beam_search, pad_batch
 from model.tokenizer import Tokenizer
 from model.transformer import Transformer
 from service.api.app import create_app
-from service.settings import Settings
+from service.core.settings import Settings
 from tests.service.conftest import serving, tiny_settings
 from tests.service.fakes import FakeLoader, FakeModel, write_models
 

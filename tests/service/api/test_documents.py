@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api.documents import split
-from service.errors import InvalidInput
+from service.core.errors import InvalidInput
 from tests.service.api.test_routes import assert_error
 from tests.service.conftest import AppFactory, serving
 from tests.service.fakes import CharTokenizer, FakeModel

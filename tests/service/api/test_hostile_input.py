@@ -204,7 +204,7 @@ def fuzzed_app(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from schemathesis.python import asgi
 
     from service.api.app import create_app
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     models = write_models(tmp_path_factory.mktemp("fuzz") / "models",
                           {"translate-en-it": "translate", "summarize-en": "summarize"})
@@ -321,7 +321,7 @@ def test_fuzzed_v2_bodies_parse_or_raise_invalid_input(
     the response to a parsed request serialises."""
     from service.api import open_inference
     from service.api.schemas import clean_text
-    from service.errors import InvalidInput
+    from service.core.errors import InvalidInput
 
     header = json.dumps(document).encode()
     body = header + binary if header_length is not None else header

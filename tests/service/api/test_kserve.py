@@ -16,7 +16,7 @@ import pytest
 
 from service.api import open_inference
 from service.api.app import create_app
-from service.errors import InvalidInput
+from service.core.errors import InvalidInput
 from tests.service.conftest import AppFactory, serving, tiny_settings
 from tests.service.fakes import FakeLoader, FakeModel
 from tests.service.live_server import serve, wait_until_ready

@@ -59,7 +59,7 @@ async def test_the_right_token_passes_and_probes_stay_open(
 
 
 def test_the_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     compared: list[tuple[bytes, bytes]] = []
 
@@ -76,7 +76,7 @@ def test_the_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_an_empty_key_leaves_the_routes_open(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     monkeypatch.setenv("ATTNSERVE_API_KEY", "")
     assert Settings().api_key is None
@@ -125,7 +125,7 @@ async def test_metrics_on_their_own_port(make_app: AppFactory) -> None:
 def test_metrics_port_needs_one_worker() -> None:
     from pydantic import ValidationError
 
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     with pytest.raises(ValidationError, match="metrics_port"):
         Settings(metrics_port=9100, workers=2)

@@ -28,7 +28,7 @@ pytest.importorskip("websockets.sync.client")
 
 from model.tokenizer import Tokenizer
 from service.api.app import create_app
-from service.settings import Settings
+from service.core.settings import Settings
 from tests.service.browser import Browser, find_chromium
 from tests.service.live_server import serve, wait_until_ready
 

@@ -9,7 +9,7 @@ import pytest
 
 from service.batching.batcher import Batcher
 from service.batching.policy import BatchLimits
-from service.errors import InternalError, NotReady, Overloaded
+from service.core.errors import InternalError, NotReady, Overloaded
 from service.generation.hooks import RowHooks
 from service.observability import metrics
 from tests.service.fakes import EOS, UNK, FakeModel, reverse

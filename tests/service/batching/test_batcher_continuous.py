@@ -13,7 +13,7 @@ from service.batching.batcher import Batcher
 from service.batching.policy import BatchLimits, join_age_limit
 from service.batching.running_batch import RunningBatch
 from service.batching.slot_batch import SlotBatch
-from service.errors import InternalError
+from service.core.errors import InternalError
 from service.generation.hooks import RowHooks
 from service.generation.search import generate
 from service.runtime import ModelRuntime

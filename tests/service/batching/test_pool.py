@@ -11,10 +11,10 @@ import pytest
 from service.batching.batcher import Batcher
 from service.batching.policy import BatchLimits
 from service.batching.pool import BatcherPool
-from service.errors import Overloaded
+from service.core.errors import Overloaded
+from service.core.settings import CPU_PROVIDER, Settings, cpu_cores
 from service.generation.hooks import RowHooks
 from service.observability import metrics
-from service.settings import CPU_PROVIDER, Settings, cpu_cores
 from tests.service.fakes import EOS, FakeModel, reverse
 
 pytestmark = pytest.mark.anyio

@@ -208,8 +208,8 @@ def test_newcomers_are_encoded_in_groups_of_similar_length() -> None:
 
 @pytest.mark.parametrize("scored", [False, True])
 def test_the_service_scores_greedy_results_only_when_set(tiny_runtime: ModelRuntime, sources, scored: bool) -> None:
-    from service.registry import onnx_generator, onnx_running_batch
-    from service.settings import Settings
+    from service.core.registry import onnx_generator, onnx_running_batch
+    from service.core.settings import Settings
 
     settings = Settings(greedy_scores=scored)
     generated = onnx_generator(settings)(tiny_runtime)([sources[0]], 1, 8)[0]

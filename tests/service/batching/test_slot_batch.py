@@ -96,8 +96,8 @@ def test_without_a_step_graph_there_is_no_slot_batch(tiny_runtime: ModelRuntime)
     merged_only = dataclasses.replace(tiny_runtime, step=None)
     with pytest.raises(ValueError, match="step graph"):
         SlotBatch(merged_only)
-    from service.registry import onnx_running_batch
-    from service.settings import Settings
+    from service.core.registry import onnx_running_batch
+    from service.core.settings import Settings
 
     factory = onnx_running_batch(Settings())
     assert isinstance(factory(merged_only)(), RunningBatch)

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model.tokenizer import Tokenizer
 from service.api.app import UNMATCHED_ROUTE, create_app
+from service.core.settings import Settings
 from service.observability import metrics
-from service.settings import Settings
 from tests.service.conftest import serving
 
 TRANSLATE = "/v1/translate"

@@ -28,10 +28,10 @@ from service.batching.batcher import Batcher, GenerateFn
 from service.batching.in_flight import InFlightBatch
 from service.batching.policy import BatchLimits
 from service.batching.pool import BatcherPool
-from service.errors import ModelNotFound, NotReady
+from service.core.errors import ModelNotFound, NotReady
+from service.core.settings import Settings
 from service.observability import metrics
 from service.runtime.protocol import Runtime
-from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from service.registry import ModelRegistry
-    from service.settings import Settings
+    from service.core.registry import ModelRegistry
+    from service.core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """The settings of `serve`: the environment's (ATTNSERVE_*), overridden by the flags given."""
-    from service.settings import Settings
+    from service.core.settings import Settings
 
     return Settings(**{name: getattr(args, name) for name in _SETTING_FLAGS if getattr(args, name, None) is not None})
 
@@ -122,7 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from service.api.app import create_app
-    from service.server import uvicorn_options
+    from service.process.http import uvicorn_options
 
     try:
         settings = settings_from_args(args)
@@ -130,7 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("invalid settings: %s", error)
         return 2
     if settings.workers > 1:
-        from service.workers import run_workers
+        from service.process.workers import run_workers
 
         logger.info("serving %s on http://%s:%d with %d workers", settings.models_dir,
                     settings.host, settings.port, settings.workers)

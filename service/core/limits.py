@@ -1,5 +1,5 @@
 """Hard ceilings fixed in code: no setting and no request goes above them. The configured
-limits (`service.settings.Settings`) are at most these; the API's schemas enforce them."""
+limits (`service.core.settings.Settings`) are at most these; the API's schemas enforce them."""
 
 from __future__ import annotations
 

@@ -34,10 +34,10 @@ from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from service.core.settings import Settings
 from service.observability import metrics
-from service.settings import Settings
 
-PROTOCOL = "service.server:GuardedProtocol"  # the import path, for uvicorn's worker processes
+PROTOCOL = "service.process.http:GuardedProtocol"  # the import path, for uvicorn's worker processes
 
 
 @dataclass(frozen=True)

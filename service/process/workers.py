@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from service.settings import Settings
+from service.core.settings import Settings
 
 ENV_PREFIX = "ATTNSERVE_"
 LOG_LEVEL_VARIABLE = "ATTNSERVE_LOG_LEVEL"  # the parent's `--log-level`, for the workers
@@ -56,8 +56,8 @@ def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) ->
 
     os.environ.update(environ if environ is not None else settings_environment(settings))
     os.environ[LOG_LEVEL_VARIABLE] = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    from service.server import uvicorn_options
+    from service.process.http import uvicorn_options
 
     options: dict[str, Any] = {**uvicorn_options(settings, workers=True),
                                "workers": settings.workers, "factory": True}
-    uvicorn.run("service.workers:app_from_environment", **options)
+    uvicorn.run("service.process.workers:app_from_environment", **options)

@@ -13,7 +13,7 @@ from typing import Annotated, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service import limits
+from service.core import limits
 
 DEFAULT_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -140,7 +140,7 @@ class Settings(BaseSettings):
         default=0.0, ge=0, description="after SIGTERM, keep accepting (readiness 503) this long"
     )
 
-    # Slow and many clients (`service.server`, `service.api.app`).
+    # Slow and many clients (`service.process.http`, `service.api.app`).
     header_timeout_s: float = Field(
         default=10.0, gt=0, description="a connection's request headers must arrive within this "
         "(from its opening or its previous response); else 408 and closed",

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.settings import Settings
-from service.workers import settings_environment
+from service.core.settings import Settings
+from service.process.workers import settings_environment
 
 MODELS = os.environ.get("ATTNSERVE_RELIABILITY_MODELS")  # None: the tiny model
 BODY = {"text": "the quick brown fox"} if MODELS else {"text": "abc de"}

@@ -1,5 +1,5 @@
 """Slow, many and careless clients against a real uvicorn server with the service's guards
-(`service.server.Guards`, on httptools' protocol and on h11's) and middlewares: header and body
+(`service.process.http.Guards`, on httptools' protocol and on h11's) and middlewares: header and body
 read timeouts, the header size limit, the connection cap, the cap on concurrent large
 responses, a 10 MB body a plain client can read the 413 of, and the JSON error body for
 requests the parser refuses.
@@ -26,9 +26,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.app import create_app
+from service.core.settings import Settings
 from service.observability.metrics import REGISTRY
-from service.server import guarded_protocol
-from service.settings import Settings
+from service.process.http import guarded_protocol
 from tests.service.fakes import FakeLoader, FakeModel
 from tests.service.live_server import serve, wait_until_ready
 

@@ -11,8 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from attnserve.cli import build_parser
-from service import commands
-from service.settings import DEFAULT_PROVIDERS, Settings
+from service.core.settings import DEFAULT_PROVIDERS, Settings
+from service.process import commands
 
 
 def test_defaults() -> None:
@@ -90,7 +90,7 @@ def test_shutdown_delay_keeps_serving_then_stops() -> None:
 
 
 def test_the_drain_budget_covers_the_request_timeout() -> None:
-    from service.server import GuardedProtocol, uvicorn_options
+    from service.process.http import GuardedProtocol, uvicorn_options
 
     assert Settings().drain_timeout_s == Settings().request_timeout_s == 60
     assert Settings(request_timeout_s=90).drain_timeout_s == 90
@@ -102,13 +102,13 @@ def test_the_drain_budget_covers_the_request_timeout() -> None:
     assert issubclass(options["http"], GuardedProtocol)
     assert options["http"].limits.header_timeout_s == 3
     assert options["http"].limits.max_connections == 7
-    assert uvicorn_options(Settings(), workers=True)["http"] == "service.server:GuardedProtocol"
+    assert uvicorn_options(Settings(), workers=True)["http"] == "service.process.http:GuardedProtocol"
 
 
 def test_the_kubernetes_grace_period_covers_the_pre_stop_wait_and_the_drain() -> None:
     import yaml
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     deployment = yaml.safe_load((root / "docker/k8s/deployment.yaml").read_text())
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]

@@ -1,0 +1,1 @@
+"""Configuration, limits, error kinds and the registry of the models served."""
