@@ -47,7 +47,7 @@ async def mixed_open_loop(url: str, texts: Sequence[str], rate: float, duration_
     offsets = loadgen.arrival_times(rate, len(beams), seed)
     offsets = [o for o in offsets if o < duration_s]
     greedy, beam = loadgen.LoadResult(), loadgen.LoadResult()
-    async with loadgen._session(0) as client:
+    async with loadgen.session(0) as client:
         started = time.perf_counter()
         tasks = []
         for i, offset in enumerate(offsets):
@@ -59,7 +59,7 @@ async def mixed_open_loop(url: str, texts: Sequence[str], rate: float, duration_
             text = texts[(first_text + i) % len(texts)]
             options: dict[str, object] | None = {"beam_size": beam_size} if beams[i] else None
             result = beam if beams[i] else greedy
-            tasks.append(asyncio.create_task(loadgen._send(client, url, text, started + offset, result, options)))
+            tasks.append(asyncio.create_task(loadgen.send(client, url, text, started + offset, result, options)))
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
     greedy.elapsed_s = beam.elapsed_s = elapsed

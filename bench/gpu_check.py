@@ -167,6 +167,7 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
 
     report["in_process"] = {str(b): run_batches(runtime, sources, b, max_new_tokens=max_new_tokens)[0].to_dict()
                             for b in batch_sizes}
+    pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes
     del runtime
     report["memory_after_in_process"] = gpu()
 
@@ -188,7 +189,6 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     device = "cuda" if provider == CUDA else "cpu"
     report["pytorch"] = torch_baseline(models / model, sources, batch_sizes, max_new_tokens, device)
     if manifest.task == "translate":
-        pieces = [workload_tokenizer_pieces(models / model, ids) for ids in sources]
         report["ctranslate2"] = ctranslate2_baseline(models / model, pieces, batch_sizes, max_new_tokens, device)
     best = best_alternative(report)
     top = report["service"][str(max(concurrency))]["sentences_per_s"]
@@ -196,19 +196,6 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                         "best_alternative": best[0] if best else None,
                         "ratio": top / best[1] if best and best[1] else None, "bound": 1.0}
     return report
-
-
-def workload_tokenizer_pieces(model_dir: Path, ids: list[int]) -> list[str]:
-    """The SentencePiece pieces of `ids` with the repository's tokenizer (CTranslate2 takes pieces)."""
-    import sentencepiece as spm
-
-    processor = _processors.get(model_dir)
-    if processor is None:
-        processor = _processors[model_dir] = spm.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
-    return [processor.id_to_piece(i) for i in ids]
-
-
-_processors: dict[Path, Any] = {}
 
 
 def _get(url: str) -> str:

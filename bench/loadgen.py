@@ -51,14 +51,15 @@ def _failed(result: LoadResult, message: str) -> None:
         result.error_samples.append(message[:300])
 
 
-def _session(connections: int) -> aiohttp.ClientSession:
+def session(connections: int) -> aiohttp.ClientSession:
     """A client session with at most `connections` connections (0: no limit)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
                                  timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
 
 
-async def _send(client: aiohttp.ClientSession, url: str, text: str, started: float, result: LoadResult,
+async def send(client: aiohttp.ClientSession, url: str, text: str, started: float, result: LoadResult,
                 options: dict[str, object] | None = None) -> None:
+    """POST `{"text": text, **options}` and record its latency from `started` and its output tokens, or the error."""
     try:
         async with client.post(url, json={"text": text, **(options or {})}) as response:
             if response.status >= 400:
@@ -90,9 +91,9 @@ async def closed_loop(url: str, texts: Sequence[str], concurrency: int, duration
         while next_index < len(texts) and (deadline is None or time.perf_counter() < deadline):
             text = texts[next_index]
             next_index += 1
-            await _send(client, url, text, time.perf_counter(), result)
+            await send(client, url, text, time.perf_counter(), result)
 
-    async with _session(concurrency) as client:
+    async with session(concurrency) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     result.elapsed_s = time.perf_counter() - started
     return result
@@ -119,14 +120,14 @@ async def open_loop(url: str, texts: Sequence[str], rate: float, duration_s: flo
         count = min(count, max_requests)
     offsets = arrival_times(rate, count, seed)
     result = LoadResult()
-    async with _session(0) as client:
+    async with session(0) as client:
         started = time.perf_counter()
         tasks = []
         for i, offset in enumerate(offsets):
             delay = started + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_send(client, url, texts[(first_text + i) % len(texts)], started + offset,
+            tasks.append(asyncio.create_task(send(client, url, texts[(first_text + i) % len(texts)], started + offset,
                                                    result)))
         await asyncio.gather(*tasks)
         result.elapsed_s = time.perf_counter() - started
