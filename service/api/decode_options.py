@@ -84,6 +84,15 @@ def _scores(result: Any, with_tokens: bool) -> dict[str, Any]:
     return found
 
 
+def whole_texts(*, return_scores: bool = False, num_hypotheses: int | None = None,
+                target_prefix: str | Sequence[str] | None = None, maps: bool = False) -> bool:
+    """Whether a request's texts are decoded whole, one row per text, instead of split into
+    sentences (`service.api.documents`): the rule is that any of these options, or attention
+    maps and alignments (`maps`), describes one output per text, so a request asking any of
+    them is not split."""
+    return return_scores or num_hypotheses is not None or target_prefix is not None or maps
+
+
 def decode_options(
     runtime: Runtime, texts: int, beam_size: int, max_new_tokens: int, *,
     return_scores: bool = False, num_hypotheses: int | None = None,

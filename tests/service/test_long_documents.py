@@ -51,6 +51,8 @@ async def test_the_tiny_model_translates_a_document_like_its_pieces_alone(
         streamed = await client.post("/v1/translate", json={"text": TINY_DOCUMENT, "stream": True})
         with_maps = await client.post("/v1/translate", json={"text": "abc de\nfgh",
                                                               "return_attention": True})
+        with_scores = await client.post("/v1/translate", json={"text": "abc de\nfgh",
+                                                               "return_scores": True})
     assert response.status_code == 200, response.text
     [out] = response.json()["outputs"]
     assert out["text"] == document.join(alone)
@@ -63,6 +65,10 @@ async def test_the_tiny_model_translates_a_document_like_its_pieces_alone(
     [mapped] = with_maps.json()["outputs"]
     assert mapped["input_tokens"] == len(tiny_repository_tokenizer.encode("abc de\nfgh")) + 1
     assert len(mapped["attention"][0]) == mapped["input_tokens"]
+    # so do scores: one score for the whole text's one output
+    [scored] = with_scores.json()["outputs"]
+    assert scored["input_tokens"] == mapped["input_tokens"]
+    assert len(scored["token_scores"]) == scored["output_tokens"]
 
 
 # A package description in the style of Debian's: a synopsis, paragraphs of several sentences,

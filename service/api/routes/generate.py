@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request, Response
 
 from service.api import pipeline, streaming
 from service.api.deadline import request_deadline
-from service.api.decode_options import decode_options
+from service.api.decode_options import decode_options, whole_texts
 from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
@@ -85,10 +85,11 @@ async def _generate(
     where = ["text"] if body.texts is None else [f"texts.{i}" for i in range(len(texts))]
     # 422 now, rather than after generating, for a model without attention outputs.
     needs_maps = body.return_attention or body.return_alignment
-    asks_options = body.return_scores or body.num_hypotheses is not None or body.target_prefix is not None
     maps_runtime = attention_runtime(runtime) if needs_maps else None
+    whole = whole_texts(return_scores=body.return_scores, num_hypotheses=body.num_hypotheses,
+                        target_prefix=body.target_prefix, maps=needs_maps)
     prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
-                                where, started, body.truncate, whole_texts=needs_maps or asks_options)
+                                where, started, body.truncate, whole_texts=whole)
     options = decode_options(runtime, len(texts), body.beam_size, prepared.max_new_tokens,
                              return_scores=body.return_scores, num_hypotheses=body.num_hypotheses,
                              target_prefix=body.target_prefix)

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from service.api import open_inference, pipeline
 from service.api.auth import require_api_key, require_api_key_for_metadata
 from service.api.deadline import request_deadline
-from service.api.decode_options import decode_options
+from service.api.decode_options import decode_options, whole_texts
 from service.api.errors import describe_validation_errors, status_of
 from service.api.routes.deps import RegistryDep, SettingsDep
 from service.core.errors import ModelNotFound, ServiceError, shorten
@@ -152,7 +152,8 @@ async def infer(
     where = [f"inputs.{open_inference.INPUT}[{i}]" for i in range(len(inference.texts))]
     prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
                                 inference.max_new_tokens, settings, where, truncate=inference.truncate,
-                                whole_texts=inference.return_scores or inference.target_prefix is not None)
+                                whole_texts=whole_texts(return_scores=inference.return_scores,
+                                                        target_prefix=inference.target_prefix))
     options = decode_options(prepared.runtime, len(inference.texts), inference.beam_size,
                              prepared.max_new_tokens, return_scores=inference.return_scores,
                              target_prefix=inference.target_prefix, where="parameters.target_prefix")
