@@ -27,11 +27,13 @@ TRANSPORT_ERROR = 0  # the status recorded when no HTTP response came back
 
 @dataclass(frozen=True)
 class Sample:
-    """One request: when it was sent (seconds from the run's start), its status, its latency."""
+    """One request: when it was sent (seconds from the run's start), its status, its latency,
+    and for a transport error (status 0) the exception's class name."""
 
     sent_s: float
     status: int
     latency_s: float
+    error: str = ""
 
 
 @dataclass
@@ -41,6 +43,7 @@ class LoadResult:
     duration_s: float
     samples: list[Sample] = field(default_factory=list)
     probes: list[Sample] = field(default_factory=list)
+    max_send_lag_s: float = 0.0  # open loop: how late the latest send was against its schedule
 
     def statuses(self) -> Counter[int]:
         """How many requests got each status (0: transport error, i.e. lost)."""
@@ -66,14 +69,17 @@ class LoadResult:
         probe_latencies = [p.latency_s for p in self.probes]
         return {
             "duration_s": round(self.duration_s, 1),
+            "max_send_lag_s": round(self.max_send_lag_s, 3),
             "requests": len(self.samples),
             "statuses": dict(sorted(self.statuses().items())),
             "lost": self.statuses()[TRANSPORT_ERROR],
+            "transport_errors": dict(Counter(s.error for s in self.samples if s.error)),
             "goodput_rps": round(self.goodput(), 1),
             "p50_ms": round(self.percentile(0.5) * 1000, 1),
             "p99_ms": round(self.percentile(0.99) * 1000, 1),
             "probes": len(self.probes),
             "probe_failures": sum(1 for p in self.probes if p.status != 200),
+            "probe_errors": dict(Counter(p.error for p in self.probes if p.error)),
             "probe_max_ms": round(max(probe_latencies, default=0.0) * 1000, 1),
         }
 
@@ -84,12 +90,13 @@ class LoadResult:
 async def _one(client: httpx.AsyncClient, method: str, url: str, body: Any,
                headers: dict[str, str], t0: float) -> Sample:
     sent = time.perf_counter()
+    error = ""
     try:
         response = await client.request(method, url, json=body, headers=headers)
         status = response.status_code
-    except httpx.HTTPError:
-        status = TRANSPORT_ERROR
-    return Sample(sent - t0, status, time.perf_counter() - sent)
+    except httpx.HTTPError as exc:
+        status, error = TRANSPORT_ERROR, type(exc).__name__
+    return Sample(sent - t0, status, time.perf_counter() - sent, error)
 
 
 async def _probe(url: str, every_s: float, t0: float, stop: asyncio.Event,
@@ -128,6 +135,8 @@ async def open_loop(
             delay = t0 + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            lag = time.perf_counter() - (t0 + i / rate)
+            result.max_send_lag_s = max(result.max_send_lag_s, lag)
             tasks.append(asyncio.ensure_future(_one(client, "POST", url, body, headers, t0)))
         result.samples = list(await asyncio.gather(*tasks))
     stop.set()

