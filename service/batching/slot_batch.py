@@ -10,11 +10,14 @@ the oldest row's, and a step costs what its rows' own lengths cost. The batcher'
 limit (`max_join_age`) exists for the padded cache and does not apply here (`pads_to_oldest`).
 
 The live rows stay dense in slots 0..n-1: when rows finish, the last live rows move into their
-holes (a copy of those rows' own columns). Slots grow by doubling, cache columns to the next
-multiple of 32, the cross keys/values' source width to the newcomers' (one copy of the live
-rows each time); they shrink again when at most a quarter of the slots, or half of the columns
-or of the source width, is in use. Newcomers' cross keys/values
-are padded to the batch's source width; the padding is masked, as in `RunningBatch`.
+holes (a copy of those rows' own columns). Slots grow by doubling, cache columns and the cross
+keys/values' source width to the next multiple of 32 (one copy of the live rows each time);
+they shrink again when at most a quarter of the slots, columns or source width is in use. Spare
+columns cost no compute (the graph reads each row's own length) and spare source width only a
+masked stretch of cross-attention, far less than the copy that resizing costs; so the arrays
+are kept generous and a batch whose lengths come and go does not resize at every join and
+departure. Newcomers' cross keys/values are padded to the batch's source width; the padding is
+masked, as in `RunningBatch`.
 
 The same caveat as `RunningBatch`: with int8 graphs a row's activations are quantized with the
 whole batch's scale, so its tokens may depend on its neighbours.
@@ -34,7 +37,7 @@ from service.runtime import to_numpy
 from service.runtime.protocol import Runtime
 from service.runtime.step_buffers import CacheBuffers, run_step
 
-COLUMN_QUANTUM = 32  # cache columns grow to the next multiple of this, not by doubling
+QUANTUM = 32  # cache columns and source width grow to the next multiple of this, not by doubling
 
 
 def _doubled(size: int, needed: int) -> int:
@@ -45,11 +48,11 @@ def _doubled(size: int, needed: int) -> int:
     return size
 
 
-def _columns(needed: int) -> int:
-    """Cache columns for `needed` positions: the next multiple of `COLUMN_QUANTUM`. Every slot
-    gets the longest row's columns, so doubling would give every row up to twice the cache
-    one long row needs; a few more copies as that row grows cost less."""
-    return -(-needed // COLUMN_QUANTUM) * COLUMN_QUANTUM
+def _rounded(needed: int, quantum: int) -> int:
+    """Cache columns (or source width) for `needed` positions: the next multiple of `quantum`.
+    Every slot gets the longest row's columns, so doubling would give every row up to twice the
+    cache one long row needs; a few more copies as that row grows cost less."""
+    return -(-needed // quantum) * quantum
 
 
 class SlotBatch(Generic[Owner]):
@@ -58,13 +61,14 @@ class SlotBatch(Generic[Owner]):
     pads_to_oldest = False  # a newcomer's cache is its own: joins cost the same at any age
 
     def __init__(self, runtime: Runtime, padding_slack: float = 1.25, scores: bool = True,
-                 rows: int = 8, capacity: int = 32) -> None:
+                 rows: int = 8, capacity: int = QUANTUM, quantum: int = QUANTUM) -> None:
         if runtime.step is None:
             raise ValueError("the runtime has no step graph (decoder_step.onnx): use RunningBatch")
         self.runtime = runtime
         self.scores = scores  # results carry their summed log-probability (else None)
         self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
         self._initial = (rows, capacity)
+        self.quantum = quantum  # columns and source width grow to multiples of this
         self._members: list[Member[Owner]] = []  # live rows: slot i holds self._members[i]
         heads, head_dim = runtime.n_heads, runtime.head_dim
         self._buffers = CacheBuffers(runtime.n_decoder_layers, rows, heads, capacity, head_dim)
@@ -119,7 +123,7 @@ class SlotBatch(Generic[Owner]):
         rows = live + len(members)
         width = max(state.source_mask.shape[1] for state in states)
         if rows > self.slots or width > self.source_len:
-            self._resize(_doubled(self.slots, rows), self.capacity, max(width, self.source_len))
+            self._resize(_doubled(self.slots, rows), self.capacity, max(_rounded(width, self.quantum), self.source_len))
         row = live
         for state in states:  # a group encoded together: (count, w) sources
             count, w = state.source_mask.shape
@@ -141,7 +145,7 @@ class SlotBatch(Generic[Owner]):
             return []
         needed = int(self._positions[:live].max()) + 1  # the columns this step writes up to
         if needed > self.capacity:
-            self._resize(self.slots, _columns(needed), self.source_len)
+            self._resize(self.slots, _rounded(needed, self.quantum), self.source_len)
         assert self.runtime.step is not None
         logits = run_step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
                           self._source_mask[:live], [c[:live] for c in self._cross], self._buffers)  # (n, V)
@@ -179,16 +183,16 @@ class SlotBatch(Generic[Owner]):
         self._shrink()
 
     def _shrink(self) -> None:
-        """Smaller arrays when at most a quarter of the slots, or half the columns or the source
-        width, is in use (never below the initial sizes)."""
+        """Smaller arrays when at most a quarter of the slots, the columns or the source width
+        is in use (never below the initial sizes)."""
         live = len(self._members)
         rows, capacity = self._initial
         used_columns = int(self._positions[:live].max()) + 1 if live else 0
         used_source = np.flatnonzero(self._source_mask[:live].any(axis=0))
         width = int(used_source[-1]) + 1 if used_source.size else 0
         new_rows = self.slots if 4 * live > self.slots else max(rows, _doubled(rows, 2 * live))
-        new_capacity = self.capacity if 2 * used_columns > self.capacity else max(capacity, _columns(used_columns))
-        new_width = self.source_len if 2 * width > self.source_len else width
+        new_capacity = self.capacity if 4 * used_columns > self.capacity else max(capacity, _rounded(used_columns, self.quantum))
+        new_width = self.source_len if 4 * width > self.source_len else _rounded(width, self.quantum)
         if (new_rows, new_capacity, new_width) != (self.slots, self.capacity, self.source_len):
             self._resize(new_rows, new_capacity, new_width)
 

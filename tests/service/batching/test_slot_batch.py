@@ -32,18 +32,19 @@ def _finish(batch: SlotBatch, results: dict) -> None:
         results.update(batch.generate_token())
 
 
-def test_slots_rows_and_source_width_grow_by_doubling_and_keep_every_row(tiny_runtime: ModelRuntime,
-                                                                          sources) -> None:
-    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=2)
+def test_slots_double_columns_and_source_width_grow_by_quantum_and_keep_every_row(
+        tiny_runtime: ModelRuntime, sources) -> None:
+    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=2, quantum=3)
     short = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     batch.concatenate([sources[short[0]]], [short[0]], [14])
     width = batch.source_len
+    assert width % 3 == 0 and width >= len(sources[short[0]])
     for _ in range(3):  # 3 steps: the cache outgrows 2 columns
         batch.generate_token()
-    assert batch.capacity == 32  # the next multiple of 32 columns, not a doubling
+    assert batch.capacity == 3  # the next multiple of the quantum, not a doubling
     later = short[-5:]  # five longer sources: more rows than slots, a wider source
     batch.concatenate([sources[i] for i in later], later, [14] * 5)
-    assert batch.slots == 8 and batch.source_len > width
+    assert batch.slots == 8 and batch.source_len > width and batch.source_len % 3 == 0
     results: dict[int, GenerationResult] = {}
     _finish(batch, results)
     for owner in [short[0], *later]:
@@ -90,6 +91,24 @@ def test_the_buffers_shrink_when_few_rows_are_left(tiny_runtime: ModelRuntime, s
     results: dict[int, GenerationResult] = {}
     _finish(batch, results)
     assert results[11].tokens == _alone(tiny_runtime, sources[11], 14).tokens
+
+
+def test_the_source_width_shrinks_only_when_a_quarter_of_it_is_in_use(tiny_runtime: ModelRuntime) -> None:
+    long, medium, short = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS], [5, 6, 7, EOS], [5, 6, EOS]
+    for kept, stays in ((medium, True), (short, False)):
+        batch: SlotBatch[str] = SlotBatch(tiny_runtime, quantum=1)
+        batch.concatenate([long, kept], ["long", "kept"], [1, 14])
+        assert batch.source_len == len(long)
+        cross = batch._cross[0]
+        finished = [owner for owner, _ in batch.generate_token()]  # the long row leaves
+        assert finished == ["long"]
+        if stays:  # 4 of 12 positions in use: more than a quarter, nothing copied
+            assert batch.source_len == len(long) and batch._cross[0] is cross
+        else:  # 3 of 12: the width shrinks to the rows' own
+            assert batch.source_len == len(short)
+        results: dict[str, GenerationResult] = {}
+        _finish(batch, results)
+        assert results["kept"].tokens == _alone(tiny_runtime, kept, 14).tokens
 
 
 def test_without_a_step_graph_there_is_no_slot_batch(tiny_runtime: ModelRuntime) -> None:
