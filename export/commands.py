@@ -117,11 +117,13 @@ def _export(args: argparse.Namespace) -> int:
 
 def _register_import_hf(subcommands: argparse._SubParsersAction) -> None:
     p = subcommands.add_parser(
-        "import-hf", help="convert a local Hugging Face Marian model folder into a model repository",
-        description="Read a MarianMTModel folder (config.json, weights, source.spm, target.spm, vocab.json; "
-        "never downloads), convert it, check it against transformers, and write a model repository like "
-        "`export` does (graphs with attention outputs, step graph, tokenizer, manifest, parity check). "
-        "Accepts folders whose source.spm and target.spm are one model and whose vocab.json ids are its ids.",
+        "import-hf", help="convert a local Hugging Face Marian or BART model folder into a model repository",
+        description="Read a MarianMTModel or BartForConditionalGeneration folder (config.json, weights and a "
+        "SentencePiece tokenizer; never downloads), convert it, check it against transformers, and write a model "
+        "repository like `export` does (graphs with attention outputs, step graph, tokenizer, manifest, parity "
+        "check). Marian: source.spm and target.spm must be one model and vocab.json ids its ids. BART: the "
+        "tokenizer must be a SentencePiece model saved as sentencepiece.bpe.model (byte-level BPE folders are "
+        "refused).",
     )
     p.add_argument("--model-dir", required=True, help="the Hugging Face model folder")
     p.add_argument("--task", required=True, help="translate-<src>-<tgt> (e.g. translate-en-de) or summarize-<lang>")

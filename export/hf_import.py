@@ -1,19 +1,34 @@
-"""`attnserve import-hf`: a local Hugging Face Marian folder -> a model repository.
+"""`attnserve import-hf`: a local Hugging Face Marian or BART folder -> a model repository.
 
-The Marian encoder-decoder is our `model.transformer.Transformer` with post-LayerNorm, an
-activation of its own (swish for OPUS-MT), sinusoids laid out as all sines then all cosines,
-optionally scaled token embeddings, a bias on the logits (`final_logits_bias`) and pad as the
-decoder's start token: `convert_marian` copies its weights into a `Transformer` whose
-`ModelConfig` says so, `check_conversion` compares the two in PyTorch (logits and every
-attention map, teacher-forced), and `export.repository.write_repository` does the rest as for
-our own models (graphs with attention outputs, the step graph, tokenizer, manifest with hashes,
-parity of onnxruntime with PyTorch).
+Both encoder-decoders are our `model.transformer.Transformer` with post-LayerNorm layers of the
+same shape, token embeddings shared with the output projection and a bias on the logits
+(`final_logits_bias`); `config.model_type` picks what differs:
+
+    marian  an activation of its own (swish for OPUS-MT), sinusoids laid out as all sines then
+            all cosines, optionally scaled token embeddings, pad as the decoder's start token
+    bart    GELU, learned positions (transformers' table is offset by 2: position p is its row
+            p + 2; the converted table keeps the rows from 2 on, so position p is row p), a
+            LayerNorm after token embedding + position in both stacks (`layernorm_embedding`),
+            unscaled embeddings, eos as the decoder's start token
+
+`convert_hf` copies the weights into a `Transformer` whose `ModelConfig` says so,
+`check_conversion` compares the two in PyTorch (logits and every attention map,
+teacher-forced), and `export.repository.write_repository` does the rest as for our own models
+(graphs with attention outputs, the step graph, tokenizer, manifest with hashes, parity of
+onnxruntime with PyTorch).
 
 Tokenizer: the service tokenizes with one SentencePiece model whose ids are the model's ids.
 A Marian folder is accepted when source.spm and target.spm are the same model and vocab.json
 maps each of its pieces to the piece's own SentencePiece id (and holds nothing else); the
 OPUS-MT folders on the Hub map pieces to other ids (a joint vocabulary with pad last) and are
-refused with the reason.
+refused with the reason. A BART folder is accepted when it holds its SentencePiece model as
+sentencepiece.bpe.model (and a vocab.json beside it, if any, maps pieces to those ids); the
+Hub's BART folders tokenize with byte-level BPE (vocab.json and merges.txt, no SentencePiece
+model) and are refused with the reason. Either way the model's vocabulary size and pad/eos ids
+must be the SentencePiece model's.
+
+Generation settings of the folder that the service does not apply (e.g. BART's
+forced_bos_token_id) are logged and recorded in the manifest.
 
 The folder is read with `local_files_only`: nothing is downloaded.
 """
@@ -32,6 +47,7 @@ from torch import Tensor, nn
 
 from export.parity import ATTENTION_ATOL, LOGITS_ATOL, OutputMismatch, parity_sources
 from model.config import ModelConfig
+from model.embedding import Embedding
 from model.tokenizer import Tokenizer
 from model.transformer import DecoderLayer, EncoderLayer, Transformer
 from service.repository.manifest import Manifest, sha256_file
@@ -39,6 +55,12 @@ from service.repository.manifest import Manifest, sha256_file
 log = logging.getLogger(__name__)
 
 SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
+BART_SPM, MERGES_TXT = "sentencepiece.bpe.model", "merges.txt"
+# model_type -> the transformers class read, and the `ModelConfig` fields that tell it apart
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "marian": ("MarianMTModel", {"position_layout": "halves", "embedding_norm": False}),
+    "bart": ("BartForConditionalGeneration", {"position_layout": "learned", "embedding_norm": True}),
+}
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}
 # generation settings of the folder that the service does not apply (recorded, and warned about)
 IGNORED_GENERATION = ("bad_words_ids", "forced_eos_token_id", "forced_bos_token_id", "no_repeat_ngram_size",
@@ -59,21 +81,46 @@ def parse_task(task: str) -> tuple[str, str, str]:
     raise ValueError(f"task must look like translate-<src>-<tgt> or summarize-<lang>, got {task!r}")
 
 
-def load_marian(model_dir: str | Path) -> Any:
-    """The folder's MarianMTModel (fp32, eval, eager attention: it returns attention weights)."""
-    from transformers import AutoConfig, MarianMTModel
+def load_hf_model(model_dir: str | Path) -> Any:
+    """The folder's model as its `ARCHITECTURES` class (fp32, eval, eager attention: it returns
+    attention weights); any other model_type is refused."""
+    import transformers
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    if config.model_type != "marian":
-        raise UnsupportedModel(f"{model_dir}: model_type {config.model_type!r}; import-hf converts marian only")
-    model = MarianMTModel.from_pretrained(str(model_dir), local_files_only=True, attn_implementation="eager",
-                                          dtype=torch.float32)
+    if config.model_type not in ARCHITECTURES:
+        raise UnsupportedModel(f"{model_dir}: model_type {config.model_type!r}; import-hf converts "
+                               f"{' and '.join(ARCHITECTURES)} only")
+    model_class = getattr(transformers, ARCHITECTURES[config.model_type][0])
+    model = model_class.from_pretrained(str(model_dir), local_files_only=True, attn_implementation="eager",
+                                        dtype=torch.float32)
     return model.eval()
 
 
 def check_tokenizer(model_dir: str | Path, hf_config: Any) -> Path:
     """The folder's SentencePiece model, when its ids are the model's (see the module's docstring)."""
     directory = Path(model_dir)
+    if hf_config.model_type == "marian":
+        path = _marian_spm(directory)
+    else:
+        path = _bart_spm(directory)
+    tokenizer = Tokenizer.from_file(path)
+    _check_vocab_json(directory, tokenizer, path.name)
+    if tokenizer.vocab_size != hf_config.vocab_size:
+        raise UnsupportedModel(f"{directory}: {path.name} has {tokenizer.vocab_size} pieces, the model "
+                               f"{hf_config.vocab_size} ids")
+    specials = {"pad": tokenizer.pad_id, "unk": tokenizer.unk_id, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
+    if min(specials.values()) < 0:
+        raise UnsupportedModel(f"{directory}: {path.name} lacks a special piece ({specials}); the service needs "
+                               "pad, unk, bos and eos")
+    if (tokenizer.pad_id, tokenizer.eos_id) != (hf_config.pad_token_id, hf_config.eos_token_id):
+        raise UnsupportedModel(f"{directory}: {path.name}'s pad/eos ids {tokenizer.pad_id}/{tokenizer.eos_id} "
+                               f"differ from the model's {hf_config.pad_token_id}/{hf_config.eos_token_id}")
+    return path
+
+
+def _marian_spm(directory: Path) -> Path:
+    """source.spm, when target.spm is the same model and vocab.json is there."""
     source, target, vocab_path = directory / SOURCE_SPM, directory / TARGET_SPM, directory / VOCAB_JSON
     for path in (source, target, vocab_path):
         if not path.is_file():
@@ -82,47 +129,61 @@ def check_tokenizer(model_dir: str | Path, hf_config: Any) -> Path:
     if sha256_file(source) != sha256_file(target):
         raise UnsupportedModel(f"{directory}: source.spm and target.spm differ; the service tokenizes both "
                                "sides with one SentencePiece model")
-    tokenizer = Tokenizer.from_file(source)
-    pieces = tokenizer.pieces(range(tokenizer.vocab_size))
-    vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
-    if vocab != {piece: i for i, piece in enumerate(pieces)}:
-        raise UnsupportedModel(f"{directory}: vocab.json does not map every piece of source.spm to its own "
-                               "SentencePiece id (and nothing else); such vocabularies need an id map the "
-                               "service does not have yet")
-    if tokenizer.vocab_size != hf_config.vocab_size:
-        raise UnsupportedModel(f"{directory}: source.spm has {tokenizer.vocab_size} pieces, the model "
-                               f"{hf_config.vocab_size} ids")
-    specials = {"pad": tokenizer.pad_id, "unk": tokenizer.unk_id, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
-    if min(specials.values()) < 0:
-        raise UnsupportedModel(f"{directory}: source.spm lacks a special piece ({specials}); the service needs "
-                               "pad, unk, bos and eos")
-    if (tokenizer.pad_id, tokenizer.eos_id) != (hf_config.pad_token_id, hf_config.eos_token_id):
-        raise UnsupportedModel(f"{directory}: source.spm's pad/eos ids {tokenizer.pad_id}/{tokenizer.eos_id} "
-                               f"differ from the model's {hf_config.pad_token_id}/{hf_config.eos_token_id}")
     return source
 
 
-def marian_config(hf_config: Any, tokenizer: Tokenizer, max_source_len: int, max_target_len: int,
-                  tied: bool) -> ModelConfig:
-    """Our `ModelConfig` of a MarianConfig (refusing what `Transformer` cannot express)."""
+def _bart_spm(directory: Path) -> Path:
+    """sentencepiece.bpe.model; a byte-level BPE tokenizer alone is refused."""
+    path = directory / BART_SPM
+    if path.is_file():
+        return path
+    if (directory / MERGES_TXT).is_file():
+        raise UnsupportedModel(f"{directory}: a byte-level BPE tokenizer (vocab.json, merges.txt) and no "
+                               f"{BART_SPM}; the service tokenizes with one SentencePiece model whose ids are "
+                               "the model's, and cannot serve this vocabulary")
+    raise UnsupportedModel(f"{directory}: no {BART_SPM} (the SentencePiece model whose ids are the model's)")
+
+
+def _check_vocab_json(directory: Path, tokenizer: Tokenizer, spm_name: str) -> None:
+    """vocab.json, where there is one, maps every piece to its own SentencePiece id and holds nothing else."""
+    vocab_path = directory / VOCAB_JSON
+    if not vocab_path.is_file():
+        return
+    pieces = tokenizer.pieces(range(tokenizer.vocab_size))
+    vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+    if vocab != {piece: i for i, piece in enumerate(pieces)}:
+        raise UnsupportedModel(f"{directory}: vocab.json does not map every piece of {spm_name} to its own "
+                               "SentencePiece id (and nothing else); such vocabularies need an id map the "
+                               "service does not have yet")
+
+
+def hf_model_config(hf_config: Any, tokenizer: Tokenizer, max_source_len: int, max_target_len: int,
+                    tied: bool) -> ModelConfig:
+    """Our `ModelConfig` of a Marian or BART config (refusing what `Transformer` cannot express).
+
+    Lengths are capped by the folder's `max_position_embeddings`; with learned positions the
+    decoder's table must also hold position `max_target_len` (`ModelConfig.learned_positions`)."""
     c = hf_config
+    variation = ARCHITECTURES[c.model_type][1]
     if c.encoder_attention_heads != c.decoder_attention_heads or c.encoder_ffn_dim != c.decoder_ffn_dim:
         raise UnsupportedModel("encoder and decoder differ in heads or feed-forward width")
-    if c.decoder_vocab_size not in (None, c.vocab_size):
+    if getattr(c, "decoder_vocab_size", None) not in (None, c.vocab_size):
         raise UnsupportedModel(f"separate target vocabulary ({c.decoder_vocab_size} ids, source {c.vocab_size})")
     if c.activation_function not in ACTIVATIONS:
         raise UnsupportedModel(f"activation {c.activation_function!r} (supported: {sorted(ACTIVATIONS)})")
-    if c.d_model % 2:
-        raise UnsupportedModel(f"odd d_model {c.d_model}")
+    if variation["position_layout"] != "learned" and c.d_model % 2:
+        raise UnsupportedModel(f"odd d_model {c.d_model} (sinusoidal positions)")
+    positions = c.max_position_embeddings
+    target_positions = positions - 1 if variation["position_layout"] == "learned" else positions
     return ModelConfig(
         vocab_size=c.vocab_size, d_model=c.d_model, n_heads=c.encoder_attention_heads,
         n_encoder_layers=c.encoder_layers, n_decoder_layers=c.decoder_layers, d_ff=c.encoder_ffn_dim,
-        dropout=0.0, max_source_len=min(max_source_len, c.max_position_embeddings),
-        max_target_len=min(max_target_len, c.max_position_embeddings), pad_id=tokenizer.pad_id,
+        dropout=0.0, max_source_len=min(max_source_len, positions),
+        max_target_len=min(max_target_len, target_positions), pad_id=tokenizer.pad_id,
         unk_id=tokenizer.unk_id, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, norm_first=False,
-        tie_embeddings=tied, activation=ACTIVATIONS[c.activation_function], position_layout="halves",
-        scale_embedding=bool(c.scale_embedding), output_bias=True,
-        decoder_start_id=c.decoder_start_token_id,
+        tie_embeddings=tied, activation=ACTIVATIONS[c.activation_function],
+        scale_embedding=bool(c.scale_embedding), output_bias=True, decoder_start_id=c.decoder_start_token_id,
+        **variation,
     )
 
 
@@ -145,20 +206,35 @@ def _copy_attention(ours: nn.Module, theirs: nn.Module) -> None:
         _copy_linear(getattr(ours, mine), getattr(theirs, name))
 
 
+def _copy_embedding(ours: Embedding, theirs: Any, norm: nn.LayerNorm | None) -> None:
+    """A stack's learned position table and embedding LayerNorm, where the model has them."""
+    if ours.positions is not None:
+        offset = int(theirs.embed_positions.offset)
+        rows = ours.positions.num_embeddings
+        table = theirs.embed_positions.weight[offset: offset + rows]
+        if table.size(0) != rows:
+            raise UnsupportedModel(f"{rows} positions needed, the folder's table has {table.size(0)}")
+        ours.positions.weight.copy_(table)
+    if norm is not None:
+        _copy_norm(ours.norm, norm)
+
+
 @torch.no_grad()
-def convert_marian(hf_model: Any, tokenizer: Tokenizer, max_source_len: int = 256,
-                   max_target_len: int = 128) -> Transformer:
-    """A `Transformer` computing what the MarianMTModel computes, with its weights copied."""
+def convert_hf(hf_model: Any, tokenizer: Tokenizer, max_source_len: int = 256,
+               max_target_len: int = 128) -> Transformer:
+    """A `Transformer` computing what the Marian or BART model computes, with its weights copied."""
     encoder, decoder = hf_model.model.encoder, hf_model.model.decoder
     source_tokens, target_tokens = encoder.embed_tokens.weight, decoder.embed_tokens.weight
     output = hf_model.lm_head.weight
     tied = torch.equal(source_tokens, target_tokens) and torch.equal(target_tokens, output)
-    model = Transformer(marian_config(hf_model.config, tokenizer, max_source_len, max_target_len, tied)).eval()
+    model = Transformer(hf_model_config(hf_model.config, tokenizer, max_source_len, max_target_len, tied)).eval()
     model.source_embedding.tokens.weight.copy_(source_tokens)
     if not tied:
         model.target_embedding.tokens.weight.copy_(target_tokens)
         model.output_projection.weight.copy_(output)
     model.output_projection.bias.copy_(hf_model.final_logits_bias[0])
+    for ours_embedding, stack in ((model.source_embedding, encoder), (model.target_embedding, decoder)):
+        _copy_embedding(ours_embedding, stack, getattr(stack, "layernorm_embedding", None))
     for ours, theirs in zip(model.encoder_layers, encoder.layers, strict=True):
         assert isinstance(ours, EncoderLayer)
         _copy_attention(ours.attention, theirs.self_attn)
@@ -236,16 +312,19 @@ def import_hf(
     max_size_mb: float | None = None,
     threads: int = 0,
 ) -> Manifest:
-    """Convert the Marian folder `model_dir`, check it against transformers, write `out_dir`."""
+    """Convert the Marian or BART folder `model_dir`, check it against transformers, write `out_dir`."""
     from export.repository import write_repository
 
     directory = Path(model_dir)
     manifest_task, source_language, target_language = parse_task(task)
-    hf_model = load_marian(directory)
+    hf_model = load_hf_model(directory)
     tokenizer_path = check_tokenizer(directory, hf_model.config)
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    model = convert_marian(hf_model, tokenizer, max_source_len, max_target_len)
-    sources = parity_sources(model.config.vocab_size, model.config.eos_id)
+    model = convert_hf(hf_model, tokenizer, max_source_len, max_target_len)
+    config = model.config
+    # within max_source_len: a learned position table has no rows past it
+    sources = [ids if len(ids) <= config.max_source_len else [*ids[: config.max_source_len - 1], config.eos_id]
+               for ids in parity_sources(config.vocab_size, config.eos_id)]
     diffs = check_conversion(hf_model, model, sources)
     log.info("converted %s: agrees with transformers (max abs diff %s)", directory, diffs)
     ignored = _generation_settings(directory)
@@ -253,7 +332,7 @@ def import_hf(
         log.warning("%s: generation settings the service does not apply: %s", directory, ignored)
     weights = sorted(p.name for p in directory.glob("*.safetensors")) or sorted(p.name for p in directory.glob("*.bin"))
     provenance: dict[str, Any] = {
-        "hf_model_dir": str(model_dir), "architecture": "marian",
+        "hf_model_dir": str(model_dir), "architecture": hf_model.config.model_type,
         "weights": {w: sha256_file(directory / w) for w in weights},
         "transformers_parity": {"max_abs_diff": diffs, "note": "fp32 weights, before rounding to bfloat16"},
         "generation_settings_not_applied": ignored,

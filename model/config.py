@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 ACTIVATIONS = ("relu", "gelu", "swish")
-POSITION_LAYOUTS = ("interleaved", "halves")
+POSITION_LAYOUTS = ("interleaved", "halves", "learned")
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,13 @@ class ModelConfig:
     tie_embeddings: bool = True
     # Variations of imported models (`export.hf_import`); the defaults are our own architecture.
     activation: str = "relu"  # feed-forward activation: "relu" | "gelu" | "swish"
-    position_layout: str = "interleaved"  # sinusoids: sin/cos alternating; "halves": all sines, then cosines
+    # positions: "interleaved" sinusoids (sin/cos alternating); "halves": all sines, then cosines;
+    # "learned": a table per stack, row p for position p (`learned_positions` rows each)
+    position_layout: str = "interleaved"
     scale_embedding: bool = True  # token embeddings * sqrt(d_model)
     output_bias: bool = False  # the output projection adds a bias (Marian's final_logits_bias)
     decoder_start_id: int | None = None  # the decoder's first input token; None: bos_id
+    embedding_norm: bool = False  # a LayerNorm after token embedding + position (BART's layernorm_embedding)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -54,6 +57,17 @@ class ModelConfig:
     def start_id(self) -> int:
         """The token the decoder starts from: `decoder_start_id`, else bos."""
         return self.bos_id if self.decoder_start_id is None else self.decoder_start_id
+
+    def learned_positions(self, stack: str) -> int:
+        """Rows of the "learned" position table of `stack` ("source" or "target"): every position
+        the model is fed. A source holds at most `max_source_len` tokens (positions 0..max_source_len-1);
+        the decoder generates at most `max_target_len` tokens after the start token, and teacher
+        forcing a `max_target_len`-token target feeds it positions 0..max_target_len."""
+        if stack == "source":
+            return self.max_source_len
+        if stack == "target":
+            return self.max_target_len + 1
+        raise ValueError(f"stack must be 'source' or 'target', got {stack!r}")
 
     @property
     def head_dim(self) -> int:

@@ -1,4 +1,4 @@
-"""Token embeddings scaled by sqrt(d_model) plus sinusoidal positional encoding."""
+"""Token embeddings scaled by sqrt(d_model) plus sinusoidal (or learned) positional encoding."""
 
 from __future__ import annotations
 
@@ -24,10 +24,16 @@ def sinusoidal_encoding(positions: Tensor, d_model: int, layout: str = "interlea
 
 
 class Embedding(nn.Module):
-    """Token embedding * sqrt(d_model) (unless `scale` is False) + positional encoding, then dropout."""
+    """Token embedding * sqrt(d_model) (unless `scale` is False) + positional encoding, then an
+    optional LayerNorm (`norm`), then dropout.
+
+    The positional encoding is sinusoidal in `layout` "interleaved" or "halves"; with "learned"
+    it is row p of a trained table of `max_positions` rows for position p (a position past the
+    table is an error, in PyTorch and in the exported graphs' Gather alike).
+    """
 
     def __init__(self, vocab_size: int, d_model: int, pad_id: int, dropout: float, scale: bool = True,
-                 layout: str = "interleaved") -> None:
+                 layout: str = "interleaved", max_positions: int = 0, norm: bool = False) -> None:
         super().__init__()
         self.d_model = d_model
         self.scale = math.sqrt(d_model) if scale else 1.0
@@ -36,9 +42,17 @@ class Embedding(nn.Module):
         nn.init.normal_(self.tokens.weight, mean=0.0, std=d_model**-0.5)
         with torch.no_grad():
             self.tokens.weight[pad_id].zero_()
+        self.positions = nn.Embedding(max_positions, d_model) if layout == "learned" else None
+        if self.positions is not None:
+            nn.init.normal_(self.positions.weight, mean=0.0, std=d_model**-0.5)
+        self.norm = nn.LayerNorm(d_model) if norm else nn.Identity()
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """(B, T) ids and (B, T) positions -> (B, T, D)."""
         x = self.tokens(tokens) * self.scale  # (B, T, D)
-        return self.dropout(x + sinusoidal_encoding(positions, self.d_model, self.layout).to(x.dtype))
+        if self.positions is not None:
+            x = x + self.positions(positions)  # (B, T, D)
+        else:
+            x = x + sinusoidal_encoding(positions, self.d_model, self.layout).to(x.dtype)
+        return self.dropout(self.norm(x))

@@ -180,9 +180,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.source_embedding = Embedding(config.vocab_size, config.d_model, config.pad_id, config.dropout,
-                                          config.scale_embedding, config.position_layout)
+                                          config.scale_embedding, config.position_layout,
+                                          config.learned_positions("source"), config.embedding_norm)
         self.target_embedding = Embedding(config.vocab_size, config.d_model, config.pad_id, config.dropout,
-                                          config.scale_embedding, config.position_layout)
+                                          config.scale_embedding, config.position_layout,
+                                          config.learned_positions("target"), config.embedding_norm)
         if config.tie_embeddings:
             self.target_embedding.tokens.weight = self.source_embedding.tokens.weight
         self.encoder_layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.n_encoder_layers))
