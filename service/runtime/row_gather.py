@@ -1,5 +1,5 @@
 """Row selection of OrtValues on their device (`RowGather`), with the tiny ONNX graph it
-runs, written without the onnx package (not a serving dependency)."""
+runs, written without the onnx package (not a serving dependency: `onnx_proto`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import onnxruntime as ort
 
+from service.runtime import onnx_proto
 from service.runtime.providers import CPU, CUDA
 
 
@@ -51,48 +52,13 @@ class RowGather:
         return binding.get_outputs()
 
 
-# -- a minimal ONNX ModelProto writer (protobuf wire format), for `gather_graph` ---------------
-
-_INT64 = 7  # TensorProto.INT64
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _int(field_number: int, value: int) -> bytes:
-    return _varint(field_number << 3) + _varint(value)
-
-
-def _message(field_number: int, payload: bytes | str) -> bytes:
-    data = payload.encode() if isinstance(payload, str) else payload
-    return _varint(field_number << 3 | 2) + _varint(len(data)) + data
-
-
-def _value_info(name: str, element_type: int, dims: list[str]) -> bytes:
-    """ValueInfoProto: name, TypeProto.tensor_type (elem_type, shape of named dynamic dims)."""
-    shape = b"".join(_message(1, _message(2, d)) for d in dims)
-    return _message(1, name) + _message(2, _message(1, _int(1, element_type) + _message(2, shape)))
-
-
 def gather_graph(tensors: tuple[tuple[int, int], ...], opset: int = 13) -> bytes:
     """A serialized ONNX model: inputs `rows` (int64 [n]) and `x0..`, outputs
     `yi = Gather(xi, rows, axis=0)`; `tensors` are the (ONNX element type, rank) of the `xi`."""
-    nodes = b"".join(
-        _message(1, _message(1, f"x{i}") + _message(1, "rows") + _message(2, f"y{i}") + _message(3, f"gather{i}")
-                 + _message(4, "Gather") + _message(5, _message(1, "axis") + _int(3, 0) + _int(20, 2)))
-        for i in range(len(tensors)))
-    inputs = _message(11, _value_info("rows", _INT64, ["rows"])) + b"".join(
-        _message(11, _value_info(f"x{i}", t, [f"x{i}_{a}" for a in range(rank)]))
-        for i, (t, rank) in enumerate(tensors))
-    outputs = b"".join(
-        _message(12, _value_info(f"y{i}", t, ["rows"] + [f"x{i}_{a}" for a in range(1, rank)]))
-        for i, (t, rank) in enumerate(tensors))
-    graph = nodes + _message(2, "row_gather") + inputs + outputs
-    opset_import = _message(1, "") + _int(2, opset)
-    return _int(1, 8) + _message(2, "attnserve") + _message(7, graph) + _message(8, opset_import)  # ir_version 8
+    nodes = [onnx_proto.node("Gather", [f"x{i}", "rows"], [f"y{i}"], f"gather{i}", axis=0)
+             for i in range(len(tensors))]
+    inputs = [onnx_proto.value_info("rows", onnx_proto.INT64, ["rows"])] + [
+        onnx_proto.value_info(f"x{i}", t, [f"x{i}_{a}" for a in range(rank)]) for i, (t, rank) in enumerate(tensors)]
+    outputs = [onnx_proto.value_info(f"y{i}", t, ["rows"] + [f"x{i}_{a}" for a in range(1, rank)])
+               for i, (t, rank) in enumerate(tensors)]
+    return onnx_proto.model(nodes, inputs, outputs, "row_gather", opset)
