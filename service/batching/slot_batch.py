@@ -3,7 +3,7 @@
 The in-flight batch contract of `service.batching.in_flight` (`concatenate` rows between steps,
 `generate_token` returns the rows that stopped, `filter`), as `RunningBatch` implements it, but
 on the runtime's step graph (`runtime.step`, `export.step_graph`) instead of the merged
-decoder. Each row's keys/values stay in its slot of fixed `CacheBuffers` (row b: columns
+decoder. Each row's keys/values stay in its slot of fixed buffers (row b: columns
 0..its length-1); the graph attends over each row's own length and writes the new column in
 place. So a newcomer joins without a copy of the batch and without its cache being padded to
 the oldest row's, and a step costs what its rows' own lengths cost. The batcher's join age
@@ -19,6 +19,12 @@ are kept generous and a batch whose lengths come and go does not resize at every
 departure. Newcomers' cross keys/values are padded to the batch's source width; the padding is
 masked, as in `RunningBatch`.
 
+Where the slot buffers live: `HostSlots` (numpy, on the CPU) or `DeviceSlots` (OrtValues on the
+runtime's device, written by tiny graphs there: `service.runtime.device_slots`), chosen by
+`slots_on_device` (a runtime with IO binding on a device other than the CPU), or as asked
+(`on_device`). The positions, next tokens and source mask stay on the host either way: they are
+a few bytes per row, and the step takes them from there.
+
 The same caveat as `RunningBatch`: with int8 graphs a row's activations are quantized with the
 whole batch's scale, so its tokens may depend on its neighbours.
 """
@@ -26,16 +32,18 @@ whole batch's scale, so its tokens may depend on its neighbours.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Generic
+from typing import Generic, Protocol
 
 import numpy as np
+import onnxruntime as ort
 
 from service.batching.in_flight import Member, Owner, advance, choose, encode_newcomers
 from service.generation.hooks import RowHooks
 from service.generation.search import GenerationResult
-from service.runtime import to_numpy
+from service.runtime.device_slots import DeviceSlots, slot_graphs, step_element_types
 from service.runtime.protocol import Runtime
-from service.runtime.step_buffers import CacheBuffers, run_step
+from service.runtime.step_buffers import HostSlots
+from service.runtime.tensors import Tensor
 
 QUANTUM = 32  # cache columns and source width grow to the next multiple of this, not by doubling
 
@@ -55,13 +63,48 @@ def _rounded(needed: int, quantum: int) -> int:
     return -(-needed // quantum) * quantum
 
 
+class Slots(Protocol):
+    """What `SlotBatch` asks of its slot buffers (`HostSlots`, `DeviceSlots`)."""
+
+    @property
+    def rows(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def width(self) -> int: ...
+    def write(self, row: int, cross: Sequence[Tensor]) -> None: ...
+    def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int) -> None: ...
+    def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> Slots: ...
+    def step(self, session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
+             source_mask: np.ndarray) -> np.ndarray: ...
+
+
+def slots_on_device(runtime: Runtime) -> bool:
+    """Whether a batch of `runtime` keeps its slots on the device: when the runtime keeps its
+    tensors on a device other than the CPU (IO binding). On the CPU numpy buffers are that
+    memory already, and cheaper to index."""
+    return bool(getattr(runtime, "io_binding", False)) and getattr(runtime, "device", "cpu") != "cpu"
+
+
+def _device_slots(runtime: Runtime, rows: int, capacity: int) -> DeviceSlots:
+    """Empty `DeviceSlots` on the runtime's device (its provider's tiny graphs), of its step
+    graph's cache and cross types."""
+    assert runtime.step is not None
+    device = getattr(runtime, "device", "cpu")
+    graphs = slot_graphs(runtime.provider, device, int(getattr(runtime, "device_id", 0)))
+    cache_type, cross_type = step_element_types(runtime.step)
+    return DeviceSlots(graphs, runtime.n_decoder_layers, rows, runtime.n_heads, capacity, runtime.head_dim,
+                       cache_type=cache_type, cross_type=cross_type)
+
+
 class SlotBatch(Generic[Owner]):
     """The rows decoding together on the step graph; `add` rows, call `step` until it is empty."""
 
     pads_to_oldest = False  # a newcomer's cache is its own: joins cost the same at any age
 
     def __init__(self, runtime: Runtime, padding_slack: float = 1.25, scores: bool = True,
-                 rows: int = 8, capacity: int = QUANTUM, quantum: int = QUANTUM) -> None:
+                 rows: int = 8, capacity: int = QUANTUM, quantum: int = QUANTUM,
+                 on_device: bool | None = None) -> None:
         if runtime.step is None:
             raise ValueError("the runtime has no step graph (decoder_step.onnx): use RunningBatch")
         self.runtime = runtime
@@ -70,11 +113,10 @@ class SlotBatch(Generic[Owner]):
         self._initial = (rows, capacity)
         self.quantum = quantum  # columns and source width grow to multiples of this
         self._members: list[Member[Owner]] = []  # live rows: slot i holds self._members[i]
-        heads, head_dim = runtime.n_heads, runtime.head_dim
-        self._buffers = CacheBuffers(runtime.n_decoder_layers, rows, heads, capacity, head_dim)
-        # cross_key.0, cross_value.0, ...: (slots, h, S, d); the padding past a row's source is masked
-        self._cross = [np.zeros((rows, heads, 0, head_dim), dtype=np.float32)
-                       for _ in range(2 * runtime.n_decoder_layers)]
+        if on_device is None:
+            on_device = slots_on_device(runtime)
+        self._slots: Slots = (_device_slots(runtime, rows, capacity) if on_device else
+                              HostSlots(runtime.n_decoder_layers, rows, runtime.n_heads, capacity, runtime.head_dim))
         self._source_mask = np.zeros((rows, 0), dtype=bool)  # (slots, S) True on real source tokens
         self._positions = np.zeros(rows, dtype=np.int64)  # (slots,) each row's cached length
         self._last = np.zeros(rows, dtype=np.int64)  # (slots,) each row's next input token
@@ -84,14 +126,20 @@ class SlotBatch(Generic[Owner]):
         return len(self._members)
 
     @property
+    def on_device(self) -> bool:
+        """Whether the slot buffers live on the runtime's device (`DeviceSlots`), not in host
+        memory (`HostSlots`)."""
+        return isinstance(self._slots, DeviceSlots)
+
+    @property
     def slots(self) -> int:
         """Rows the buffers hold."""
-        return self._buffers.rows
+        return self._slots.rows
 
     @property
     def capacity(self) -> int:
         """Cache columns per slot."""
-        return self._buffers.capacity
+        return self._slots.capacity
 
     @property
     def source_len(self) -> int:
@@ -127,10 +175,7 @@ class SlotBatch(Generic[Owner]):
         row = live
         for state in states:  # a group encoded together: (count, w) sources
             count, w = state.source_mask.shape
-            cross = [t for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
-            for target, new in zip(self._cross, cross, strict=True):
-                target[row:row + count, :, :w] = to_numpy(new)  # (count, h, w, d)
-                target[row:row + count, :, w:] = 0
+            self._slots.write(row, [t for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair])
             self._source_mask[row:row + count] = False
             self._source_mask[row:row + count, :w] = state.source_mask
             row += count
@@ -147,8 +192,8 @@ class SlotBatch(Generic[Owner]):
         if needed > self.capacity:
             self._resize(self.slots, _rounded(needed, self.quantum), self.source_len)
         assert self.runtime.step is not None
-        logits = run_step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
-                          self._source_mask[:live], [c[:live] for c in self._cross], self._buffers)  # (n, V)
+        logits = self._slots.step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
+                                  self._source_mask[:live])  # (n, V)
         best, chosen = choose(self._members, logits, self.scores)  # (n,) each
         finished = advance(self._members, best, chosen, self.runtime.eos_id, self.scores)
         self._positions[:live] += 1
@@ -174,8 +219,8 @@ class SlotBatch(Generic[Owner]):
         holes = np.asarray([i for i in finished if i < left], dtype=np.int64)
         movers = np.asarray([i for i in range(left, live) if i not in gone], dtype=np.int64)
         if holes.size:
-            self._buffers.move_rows(movers, holes, int(self._positions[movers].max()))
-            for array in (*self._cross, self._source_mask, self._positions, self._last):
+            self._slots.move_rows(movers, holes, int(self._positions[movers].max()))
+            for array in (self._source_mask, self._positions, self._last):
                 array[holes] = array[movers]
             for hole, mover in zip(holes.tolist(), movers.tolist(), strict=True):
                 self._members[hole] = self._members[mover]
@@ -200,16 +245,9 @@ class SlotBatch(Generic[Owner]):
         """New arrays of `rows` slots, `capacity` columns and source width `width`, with the
         live rows copied (one copy)."""
         live = len(self._members)
-        if (rows, capacity) != (self.slots, self.capacity):
-            columns = min(capacity, int(self._positions[:live].max())) if live else 0
-            self._buffers = self._buffers.resized(rows, capacity, live, columns)
+        columns = min(capacity, int(self._positions[:live].max())) if live else 0
+        self._slots = self._slots.resized(rows, capacity, width, live, columns)
         kept = min(width, self.source_len)
-        cross = []
-        for old in self._cross:
-            new = np.zeros((rows, old.shape[1], width, old.shape[3]), dtype=old.dtype)
-            new[:live, :, :kept] = old[:live, :, :kept]
-            cross.append(new)
-        self._cross = cross
         mask = np.zeros((rows, width), dtype=bool)
         mask[:live, :kept] = self._source_mask[:live, :kept]
         self._source_mask = mask

@@ -1,6 +1,7 @@
 """The model on onnxruntime: sessions of a verified model repository (`model_runtime`), the
-tensors its graph calls hand over (`tensors`), the step graph's cache buffers
-(`step_buffers`), row selection on the device (`row_gather`) and the execution providers
+tensors its graph calls hand over (`tensors`), the step graph's slot buffers in host memory
+(`step_buffers`) and on the device (`device_slots`), row selection on the device
+(`row_gather`), the writer of those tiny graphs (`onnx_proto`) and the execution providers
 (`providers`). The names below are the package's public API."""
 
 from service.runtime.model_runtime import ModelError, ModelLoadError, ModelRuntime

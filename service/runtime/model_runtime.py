@@ -39,17 +39,19 @@ from service.repository.manifest import (
     read_manifest,
     verify_files,
 )
+from service.runtime.device_slots import DeviceSlots, slot_graphs, step_element_types
 from service.runtime.providers import (
     AUTO_IO_BINDING,
     CPU,
     CUDA,
     DEFAULT_PROVIDERS,
+    STEP_CACHE_TYPES,
     VARIANT_PREFERENCE,
     cuda_unavailable_reason,
     prepare_cuda,
 )
 from service.runtime.row_gather import RowGather
-from service.runtime.step_buffers import CacheBuffers, run_step
+from service.runtime.step_buffers import HostSlots
 from service.runtime.tensors import DecoderStep, EncoderState, Gatherer, KVCache, Tensor, to_numpy
 
 logger = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ class ModelRuntime:
     device_id: int = 0
     gather: Gatherer | None = field(default=None, repr=False)  # row selection on the device (IO binding)
     # the decoder step over each row's own cache (`export.step_graph`), for continuous batching;
-    # None when the variant has none or the provider is not the CPU (its buffers are host memory)
+    # None when the variant has none or its attention has no kernel on the provider (`STEP_CACHE_TYPES`)
     step: ort.InferenceSession | None = field(default=None, repr=False)
 
     # -- loading ---------------------------------------------------------------------------
@@ -100,6 +102,7 @@ class ModelRuntime:
         profile_prefix: str | None = None,
         variant: str | None = None,
         io_binding: bool | None = None,
+        step_graph: bool | None = None,
     ) -> ModelRuntime:
         """Read the manifest, verify every file's sha256, pick provider and variant, build sessions.
 
@@ -112,6 +115,8 @@ class ModelRuntime:
         `variant` forces a variant (even one not marked servable); by default the first servable
         one of `VARIANT_PREFERENCE` for the provider in use. `io_binding` keeps the KV cache on
         the session's device between decoder steps; None: `AUTO_IO_BINDING` of the provider.
+        `step_graph` False serves without the variant's step graph, True with it on any
+        provider; None: with it when its cache type is one of `STEP_CACHE_TYPES` of the provider.
         """
         started = time.perf_counter()
         directory = Path(model_dir)
@@ -150,6 +155,7 @@ class ModelRuntime:
                 logger.warning("%s: %s did not start (%s); trying the next provider", manifest.name, provider,
                                cuda_unavailable_reason() or "see onnxruntime's log above")
                 continue
+            step = _usable_step(manifest.name, step, provider, step_graph)
             bind = AUTO_IO_BINDING.get(provider, False) if io_binding is None else io_binding
             device, device_id = _device(decoder, provider)
             gather = RowGather(provider, device, device_id, threads) if bind else None
@@ -346,12 +352,21 @@ class ModelRuntime:
         state = self.encode(source, need_attention=True)
         step = self.decode(np.full((2, 1), self.decoder_start_id, dtype=np.int64), state, need_attention=True)
         self.decode(np.full((2, 1), self.eos_id, dtype=np.int64), state, step.cache)
-        if self.step is not None:
-            buffers = CacheBuffers(self.n_decoder_layers, 2, self.n_heads, 4, self.head_dim)
-            cross = [to_numpy(t) for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
+        if self.step is not None:  # in the slot buffers continuous batching uses here (`SlotBatch`)
+            cross = [t for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
+            width = state.source_mask.shape[1]
+            slots: HostSlots | DeviceSlots
+            if self.io_binding and self.device != "cpu":  # the tiny graphs' sessions are built here too
+                cache_type, cross_type = step_element_types(self.step)
+                slots = DeviceSlots(slot_graphs(self.provider, self.device, self.device_id), self.n_decoder_layers,
+                                    2, self.n_heads, 4, self.head_dim, width, cache_type, cross_type)
+            else:
+                slots = HostSlots(self.n_decoder_layers, 2, self.n_heads, 4, self.head_dim, width)
+            slots.write(0, cross)
+            slots.move_rows(np.array([1]), np.array([0]), 1)
             for position in (0, 1):
-                run_step(self.step, np.full((2, 1), self.decoder_start_id, dtype=np.int64),
-                         np.full((2, 1), position, dtype=np.int64), state.source_mask, cross, buffers)
+                slots.step(self.step, np.full((2, 1), self.decoder_start_id, dtype=np.int64),
+                           np.full((2, 1), position, dtype=np.int64), state.source_mask)
 
 
 def _load_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer:
@@ -386,7 +401,8 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
               spinning: bool = True, memory_arena: bool = True, profile_prefix: str | None = None,
               fold_dequantize: bool = False) -> tuple[ort.InferenceSession, ort.InferenceSession,
                                                       ort.InferenceSession | None]:
-    """Encoder, decoder and (on the CPU, when the variant has one) step-graph sessions."""
+    """Encoder, decoder and (when the variant has one) step-graph sessions; a step graph that
+    cannot load on a provider other than the CPU is left out (None), not an error."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
@@ -408,15 +424,33 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = [provider] if provider == CPU else [provider, CPU]
     paths = [variant.encoder, variant.decoder]
-    if variant.step_decoder and provider == CPU:
+    if variant.step_decoder:
         paths.append(variant.step_decoder)
     sessions = []
     for path in paths:
         try:
             sessions.append(ort.InferenceSession(str(directory / path), options, providers=providers))
         except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph/... types
+            if path == variant.step_decoder and provider != CPU:  # the merged decoder still serves
+                logger.warning("%s: onnxruntime cannot load it on %s (%s): batching on the merged decoder",
+                               directory / path, provider, error)
+                continue
             raise ModelLoadError(f"{directory / path}: onnxruntime cannot load it: {error}") from error
     return sessions[0], sessions[1], sessions[2] if len(sessions) > 2 else None
+
+
+def _usable_step(name: str, step: ort.InferenceSession | None, provider: str,
+                 wanted: bool | None) -> ort.InferenceSession | None:
+    """The step session to serve with: None when `wanted` is False, or None and its cache type
+    is not one of `STEP_CACHE_TYPES` of the provider (its attention would leave the device)."""
+    if step is None or wanted is False:
+        return None
+    kind = {i.name: i.type for i in step.get_inputs()}.get("past_key.0", "")
+    if wanted is None and kind not in STEP_CACHE_TYPES.get(provider, ()):
+        logger.info("%s: the step graph's attention (cache %s) has no %s kernel: continuous batching on "
+                    "the merged decoder", name, kind, provider)
+        return None
+    return step
 
 
 def _device(session: ort.InferenceSession, provider: str) -> tuple[str, int]:

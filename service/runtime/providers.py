@@ -21,6 +21,11 @@ VARIANT_PREFERENCE = {CUDA: ("fp16", "fp32"), CPU: ("int8", "fp32")}
 # arrays and CPU OrtValues share memory and binding saves no copy
 # (`python -m bench.io_binding` measures both ways).
 AUTO_IO_BINDING = {CUDA: True, CPU: False}
+# Cache types of the step graph (`decoder_step.onnx`) whose GroupQueryAttention has a kernel on
+# the provider. onnxruntime's CUDA kernel takes float16 (and bfloat16) only: a float32 step graph
+# on CUDA would run its attention on the CPU, copying every layer's cache both ways at each step,
+# so the runtime serves it on the merged decoder instead (`ModelRuntime.load`'s `step_graph`).
+STEP_CACHE_TYPES = {CUDA: ("tensor(float16)",), CPU: ("tensor(float)", "tensor(float16)")}
 
 CUDA_PROVIDER_LIBRARY = "libonnxruntime_providers_cuda.so"
 

@@ -4,15 +4,19 @@ row over that row's own cache, written in place.
 `CacheBuffers` holds the keys/values of every decoder layer in fixed (B, h, capacity, d) host
 buffers wrapped as OrtValues; `run_step` binds each layer's past and present to the same buffer
 (IO binding), so onnxruntime writes each row's new position into it instead of returning a grown
-copy. Torch-free.
+copy. `HostSlots` adds the cross keys/values beside them: the slot buffers of a `SlotBatch`
+in host memory (`device_slots.DeviceSlots` keeps them on a device). Torch-free.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import onnxruntime as ort
 
 from service.repository import graph_io
+from service.runtime.tensors import Tensor, shape, to_numpy
 
 
 class CacheBuffers:
@@ -73,3 +77,64 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
         binding.bind_ortvalue_output(present, value)  # the same buffer: written in place
     session.run_with_iobinding(binding)
     return binding.get_outputs()[0].numpy()  # logits: bound first
+
+
+class HostSlots:
+    """The slot buffers of a `SlotBatch` in host memory: the cache (`CacheBuffers`) and, per
+    decoder layer, the cross keys/values (rows, h, width, d) as numpy arrays; slot b's source
+    in cross columns 0..its source length-1 (zeros after). The interface `SlotBatch` uses, as
+    `device_slots.DeviceSlots` offers it on a device."""
+
+    def __init__(self, layers: int, rows: int, heads: int, capacity: int, head_dim: int, width: int = 0) -> None:
+        self.buffers = CacheBuffers(layers, rows, heads, capacity, head_dim)
+        # cross_key.0, cross_value.0, ...: (slots, h, S, d); the padding past a row's source is masked
+        self.cross = [np.zeros((rows, heads, width, head_dim), dtype=np.float32) for _ in range(2 * layers)]
+
+    @property
+    def rows(self) -> int:
+        return self.buffers.rows
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers.capacity
+
+    @property
+    def width(self) -> int:
+        return int(self.cross[0].shape[2])
+
+    def write(self, row: int, cross: Sequence[Tensor]) -> None:
+        """Write a group of newcomers' cross keys/values (cross_key.0, cross_value.0, ...:
+        (count, h, w, d), w <= width) into slots row..row+count-1, zeros past w."""
+        for target, new in zip(self.cross, cross, strict=True):
+            count, _, w, _ = shape(new)
+            target[row:row + count, :, :w] = to_numpy(new)
+            target[row:row + count, :, w:] = 0
+
+    def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int) -> None:
+        """Copy slots `sources` onto slots `targets`: their first `columns` cache columns and
+        their cross keys/values."""
+        self.buffers.move_rows(sources, targets, columns)
+        for array in self.cross:
+            array[targets] = array[sources]
+
+    def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> HostSlots:
+        """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
+        the first `kept_rows` slots of these: their first `kept_columns` cache columns and their
+        cross keys/values up to the narrower width (one copy)."""
+        new = HostSlots.__new__(HostSlots)
+        new.buffers = self.buffers
+        if (rows, capacity) != (self.rows, self.capacity):
+            new.buffers = self.buffers.resized(rows, capacity, kept_rows, kept_columns)
+        kept = min(width, self.width)
+        new.cross = []
+        for old in self.cross:
+            array = np.zeros((rows, old.shape[1], width, old.shape[3]), dtype=old.dtype)
+            array[:kept_rows, :, :kept] = old[:kept_rows, :, :kept]
+            new.cross.append(array)
+        return new
+
+    def step(self, session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
+             source_mask: np.ndarray) -> np.ndarray:
+        """One step of the first B slots (`run_step`, B = len(input_ids)); the (B, vocab) logits."""
+        count = len(input_ids)
+        return run_step(session, input_ids, positions, source_mask, [c[:count] for c in self.cross], self.buffers)

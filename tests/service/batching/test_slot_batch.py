@@ -73,9 +73,10 @@ def test_a_join_writes_into_the_buffers_without_copying_them(tiny_runtime: Model
     longest = max(sources, key=len)
     batch.concatenate([longest], [0], [12])
     batch.generate_token()
-    buffers, cross = batch._buffers.arrays[0], batch._cross[0]
+    assert not batch.on_device  # the CPU: host buffers
+    buffers, cross = batch._slots.buffers.arrays[0], batch._slots.cross[0]  # type: ignore[attr-defined]
     batch.concatenate(sources[:3], [1, 2, 3], [12, 12, 12])  # room in the slots, sources no wider
-    assert batch._buffers.arrays[0] is buffers and batch._cross[0] is cross
+    assert batch._slots.buffers.arrays[0] is buffers and batch._slots.cross[0] is cross  # type: ignore[attr-defined]
     results: dict[int, GenerationResult] = {}
     _finish(batch, results)
     for owner, source in enumerate([longest, *sources[:3]]):
@@ -99,11 +100,11 @@ def test_the_source_width_shrinks_only_when_a_quarter_of_it_is_in_use(tiny_runti
         batch: SlotBatch[str] = SlotBatch(tiny_runtime, quantum=1)
         batch.concatenate([long, kept], ["long", "kept"], [1, 14])
         assert batch.source_len == len(long)
-        cross = batch._cross[0]
+        cross = batch._slots.cross[0]  # type: ignore[attr-defined]
         finished = [owner for owner, _ in batch.generate_token()]  # the long row leaves
         assert finished == ["long"]
         if stays:  # 4 of 12 positions in use: more than a quarter, nothing copied
-            assert batch.source_len == len(long) and batch._cross[0] is cross
+            assert batch.source_len == len(long) and batch._slots.cross[0] is cross  # type: ignore[attr-defined]
         else:  # 3 of 12: the width shrinks to the rows' own
             assert batch.source_len == len(short)
         results: dict[str, GenerationResult] = {}

@@ -1,0 +1,314 @@
+"""`SlotBatch` with its slot buffers on the device (`DeviceSlots`), driven here on the CPU
+device through the same graphs as on CUDA: it decodes exactly what the host-buffer batch and
+each row alone decode, while rows join at different steps, leave, and the slots, cache columns
+and source width grow and shrink; the buffer operations match the host buffers' one by one."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from service.batching.slot_batch import SlotBatch, slots_on_device
+from service.generation.search import GenerationResult, generate
+from service.runtime import CPU, ModelRuntime, onnx_proto
+from service.runtime.device_slots import (
+    DeviceSlots,
+    move_graph,
+    pad_graph,
+    slot_graphs,
+    zeros_graph,
+)
+from service.runtime.step_buffers import HostSlots
+
+EOS = 3
+
+
+@pytest.fixture(scope="module")
+def sources(trained_tiny) -> list[list[int]]:
+    return ([s + [EOS] for s in trained_tiny.valid.sources[:14]]
+            + [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS], [19] * 10 + [EOS]])
+
+
+@pytest.fixture(scope="module")
+def bound(tiny_model_repository) -> ModelRuntime:
+    """The tiny repository with IO binding on the CPU: the encoder's cross keys/values come as
+    OrtValues, as they do on CUDA."""
+    return ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32", io_binding=True)
+
+
+def _schedule(runtime: ModelRuntime, sources: list[list[int]], on_device: bool, seed: int,
+              limits: list[int]) -> tuple[dict[int, GenerationResult], list[tuple[int, int, int]]]:
+    """Rows join 0-3 at a time at random steps of one batch that starts with 2 slots of 2
+    columns; returns every row's result and the (slots, columns, source width) after each step."""
+    batch: SlotBatch[int] = SlotBatch(runtime, rows=2, capacity=2, on_device=on_device)
+    assert batch.on_device is on_device
+    rng = np.random.default_rng(seed)
+    pending = list(range(len(sources)))
+    results: dict[int, GenerationResult] = {}
+    sizes = []
+    while pending or len(batch):
+        take = [pending.pop(int(rng.integers(len(pending)))) for _ in range(min(len(pending), int(rng.integers(0, 4))))]
+        if take:
+            batch.concatenate([sources[i] for i in take], take, [limits[i] for i in take])
+        results.update(batch.generate_token())
+        sizes.append((batch.slots, batch.capacity, batch.source_len))
+    return results, sizes
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_device_slots_decode_what_host_slots_and_each_row_alone_decode(
+        tiny_runtime: ModelRuntime, bound: ModelRuntime, sources, seed: int) -> None:
+    limits = [int(n) for n in np.random.default_rng(seed + 10).integers(1, 15, len(sources))]
+    host, host_sizes = _schedule(tiny_runtime, sources, False, seed, limits)
+    for runtime in (tiny_runtime, bound):  # the encoder's outputs as host arrays, then as OrtValues
+        device, device_sizes = _schedule(runtime, sources, True, seed, limits)
+        assert device_sizes == host_sizes
+        assert {k: (r.tokens, r.finish_reason) for k, r in device.items()} == \
+               {k: (r.tokens, r.finish_reason) for k, r in host.items()}
+        for owner, result in device.items():
+            assert result.score == pytest.approx(host[owner].score, abs=1e-5)
+    slots, columns, widths = zip(*host_sizes, strict=True)
+    # the schedule grew and shrank every dimension (else it tests less than it says)
+    for sizes in (slots, columns, widths):
+        assert max(sizes) > sizes[0] and any(b < a for a, b in itertools.pairwise(sizes))
+    for i, source in enumerate(sources):
+        alone = generate(tiny_runtime, [source], 1, limits[i])[0]
+        assert (host[i].tokens, host[i].finish_reason) == (alone.tokens, alone.finish_reason)
+
+
+def test_a_join_writes_into_the_device_buffers_in_place(bound: ModelRuntime, sources) -> None:
+    batch: SlotBatch[int] = SlotBatch(bound, rows=8, on_device=True)
+    longest = max(sources, key=len)
+    batch.concatenate([longest], [0], [12])
+    batch.generate_token()
+    slots = batch._slots
+    assert isinstance(slots, DeviceSlots)
+    addresses = [v.data_ptr() for v in slots.cache + slots.cross]
+    assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in slots.cache + slots.cross)
+    batch.concatenate(sources[:3], [1, 2, 3], [12, 12, 12])  # room in the slots, sources no wider
+    batch.generate_token()
+    assert batch._slots is slots and [v.data_ptr() for v in slots.cache + slots.cross] == addresses
+    results: dict[int, GenerationResult] = {}
+    while len(batch):
+        results.update(batch.generate_token())
+    for owner, source in enumerate([longest, *sources[:3]]):
+        assert results[owner].tokens == generate(bound, [source], 1, 12)[0].tokens
+
+
+def test_the_device_is_chosen_where_the_runtime_keeps_tensors_off_the_cpu(tiny_runtime: ModelRuntime,
+                                                                          bound: ModelRuntime) -> None:
+    assert not slots_on_device(tiny_runtime) and not slots_on_device(bound)  # the CPU: host buffers
+    assert not SlotBatch(bound).on_device
+    assert slots_on_device(dataclasses.replace(bound, device="cuda"))
+    assert not slots_on_device(dataclasses.replace(tiny_runtime, device="cuda"))  # no IO binding
+
+
+# -- the buffer operations, one by one, against the host buffers ------------------------------
+
+LAYERS, HEADS, HEAD_DIM = 2, 3, 4
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _same(device: DeviceSlots, host: HostSlots, rows: int, columns: int, cross_dtype: type = np.float32) -> None:
+    """The first `rows` slots agree: cache columns 0..columns-1, the whole cross width."""
+    assert (device.rows, device.capacity, device.width) == (host.rows, host.capacity, host.width)
+    for value, array in zip(device.cache, host.buffers.arrays, strict=True):
+        np.testing.assert_array_equal(value.numpy()[:rows, :, :columns], array[:rows, :, :columns])
+    for value, array in zip(device.cross, host.cross, strict=True):
+        assert value.numpy().dtype == cross_dtype
+        np.testing.assert_array_equal(value.numpy()[:rows], array[:rows].astype(cross_dtype))
+
+
+@pytest.mark.parametrize("cross_dtype", [np.float32, np.float16])
+def test_writes_moves_and_resizes_match_the_host_buffers(cross_dtype: type) -> None:
+    rng = np.random.default_rng(0)
+    graphs = slot_graphs(CPU, "cpu", 0)
+    cross_type = onnx_proto.ONNX_TYPES[np.dtype(cross_dtype)]
+    device = DeviceSlots(graphs, LAYERS, 4, HEADS, 6, HEAD_DIM, cross_type=cross_type)
+    host = HostSlots(LAYERS, 4, HEADS, 6, HEAD_DIM)
+    assert all(not v.numpy().any() for v in device.cache)  # allocated as zeros
+    device, host = device.resized(4, 6, 5, 0, 0), host.resized(4, 6, 5, 0, 0)  # a source width, nothing kept
+    _same(device, host, 4, 6, cross_dtype)
+    # newcomers: 3 rows of width 5 into slots 0-2, 1 row of width 2 (as an OrtValue) into slot 3
+    first = [_random(rng, (3, HEADS, 5, HEAD_DIM)).astype(cross_dtype) for _ in range(2 * LAYERS)]
+    second = [_random(rng, (1, HEADS, 2, HEAD_DIM)).astype(cross_dtype) for _ in range(2 * LAYERS)]
+    for row, cross in ((0, first), (3, [ort.OrtValue.ortvalue_from_numpy(a.astype(np.float32)) for a in second])):
+        device.write(row, cross)
+        host.write(row, cross)
+    for value, array in zip(device.cache, host.buffers.arrays, strict=True):  # a step's writes, in place
+        written = _random(rng, (4, HEADS, 6, HEAD_DIM))
+        array[:] = written
+        value.update_inplace(written)
+    _same(device, host, 4, 6, cross_dtype)
+    assert not device.cross[0].numpy()[3, :, 2:].any()  # zeros past a row's source
+    # slot 3 moves into slot 1, slot 2 into slot 0
+    device.move_rows(np.array([3, 2]), np.array([1, 0]), 6)
+    host.move_rows(np.array([3, 2]), np.array([1, 0]), 6)
+    _same(device, host, 4, 6, cross_dtype)
+    # grow slots, columns and width, keeping 2 rows' first 5 columns; then shrink all three
+    for rows, capacity, width, kept_rows, kept_columns in ((8, 12, 7, 2, 5), (2, 4, 3, 2, 4)):
+        device = device.resized(rows, capacity, width, kept_rows, kept_columns)
+        host = host.resized(rows, capacity, width, kept_rows, kept_columns)
+        _same(device, host, kept_rows, kept_columns, cross_dtype)
+        for value in device.cache + device.cross:  # zeros past what was kept
+            assert not value.numpy()[kept_rows:].any()
+        assert not device.cache[0].numpy()[:, :, kept_columns:].any()
+
+
+def test_a_resize_that_keeps_a_shape_keeps_its_buffers() -> None:
+    device = DeviceSlots(slot_graphs(CPU, "cpu", 0), LAYERS, 4, HEADS, 6, HEAD_DIM, width=3)
+    wider = device.resized(4, 6, 5, 4, 6)
+    assert wider.cache is device.cache and wider.cross is not device.cross
+    assert (wider.rows, wider.capacity, wider.width) == (4, 6, 5)
+
+
+def test_the_slot_graphs_are_valid_onnx() -> None:
+    onnx = pytest.importorskip("onnx")
+    types = (onnx_proto.FLOAT, onnx_proto.FLOAT16)
+    for graph in (move_graph(types), pad_graph(types), pad_graph(types, (onnx_proto.FLOAT16, onnx_proto.FLOAT16)),
+                  zeros_graph(types)):
+        onnx.checker.check_model(onnx.load_from_string(graph), full_check=True)
+
+
+def test_the_step_graph_is_served_where_its_attention_has_a_kernel(tiny_model_repository) -> None:
+    """onnxruntime's CUDA GroupQueryAttention takes float16 caches only: a float32 step graph is
+    left out on CUDA unless asked for, kept on the CPU; `step_graph=False` leaves it out anywhere."""
+    from service.runtime import CUDA
+    from service.runtime.model_runtime import _usable_step
+
+    runtime = ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32")
+    assert runtime.step is not None
+    assert _usable_step("tiny", runtime.step, CPU, None) is runtime.step
+    assert _usable_step("tiny", runtime.step, CUDA, None) is None
+    assert _usable_step("tiny", runtime.step, CUDA, True) is runtime.step
+    assert ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32", step_graph=False).step is None
+
+
+
+# -- a float16 step graph: the cache type CUDA's attention kernel takes -----------------------
+
+def _fp16_step(repository, providers: list, profile_prefix: str | None = None) -> ort.InferenceSession:
+    """The repository's step graph with float16 weights, cache and cross keys/values (graph I/O
+    in float16 but ids, positions and mask), as a session of `providers`."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    from export.step_graph import STEP_DECODER_FILE
+    from export.storage import load_graph
+
+    converted = convert_float_to_float16(load_graph(repository / STEP_DECODER_FILE), keep_io_types=False)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return ort.InferenceSession(converted.SerializeToString(), options, providers=providers)
+
+
+def _agreeing(results: dict[int, GenerationResult], runtime: ModelRuntime, sources, limits) -> int:
+    """Rows whose tokens are those of the float32 merged decoder decoding each row alone."""
+    return sum(results[i].tokens == generate(runtime, [s], 1, limits[i])[0].tokens for i, s in enumerate(sources))
+
+
+def test_float16_slots_hold_what_a_float16_step_graph_takes(tiny_runtime: ModelRuntime, bound: ModelRuntime,
+                                                            tiny_model_repository, sources) -> None:
+    """Device slots of the step graph's cache and cross types (float16): the encoder's float32
+    cross keys/values are cast as they are written; the rows decode the float32 tokens (float16
+    arithmetic may move a close call, rarely)."""
+    step = _fp16_step(tiny_model_repository, [CPU])
+    runtime = dataclasses.replace(bound, step=step)
+    limits = [12] * len(sources)
+    results, _ = _schedule(runtime, sources, True, 0, limits)
+    batch: SlotBatch[int] = SlotBatch(runtime, on_device=True)
+    slots = batch._slots
+    assert isinstance(slots, DeviceSlots)
+    assert (slots.cache_type, slots.cross_type) == (onnx_proto.FLOAT16, onnx_proto.FLOAT16)
+    assert _agreeing(results, tiny_runtime, sources, limits) >= len(sources) - 1
+
+
+# -- on CUDA (`make gpu-check` runs these; they skip without onnxruntime's CUDA build and a GPU) --
+
+def _cuda_available() -> bool:
+    from service.runtime import CUDA
+
+    return ort.get_device() == "GPU" and CUDA in ort.get_available_providers()
+
+
+def _memcpy_shapes(profile: str) -> list[list[int]]:
+    """The shapes of every tensor a Memcpy node (host <-> device) of onnxruntime's profile moved."""
+    import json
+    from pathlib import Path
+
+    shapes = []
+    for event in json.loads(Path(profile).read_text()):
+        args = event.get("args", {})
+        if event.get("cat") == "Node" and "Memcpy" in str(args.get("op_name", "")):
+            for typed in args.get("input_type_shape", []):
+                shapes += [list(dims) for dims in typed.values()]
+    return shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu with CUDAExecutionProvider")
+def test_device_slots_on_cuda_decode_what_host_slots_decode(tiny_runtime: ModelRuntime, tiny_model_repository,
+                                                            sources) -> None:
+    """The float32 step graph with its slots on the GPU (asked for: its attention runs on the
+    CPU there) decodes the CPU host batch's tokens, through joins, departures, growth and shrinking."""
+    from service.runtime import CUDA
+
+    cuda = ModelRuntime.load(tiny_model_repository, [CUDA], variant="fp32", step_graph=True)
+    assert (cuda.provider, cuda.device, cuda.io_binding) == (CUDA, "cuda", True) and cuda.step is not None
+    cuda.warmup()
+    batch: SlotBatch[int] = SlotBatch(cuda)
+    assert batch.on_device and all(v.device_name() == "cuda" for v in batch._slots.cache)  # type: ignore[attr-defined]
+    for seed in (0, 1):
+        limits = [int(n) for n in np.random.default_rng(seed + 10).integers(1, 15, len(sources))]
+        host, host_sizes = _schedule(tiny_runtime, sources, False, seed, limits)
+        device, device_sizes = _schedule(cuda, sources, True, seed, limits)
+        assert device_sizes == host_sizes
+        assert {k: (r.tokens, r.finish_reason) for k, r in device.items()} == \
+               {k: (r.tokens, r.finish_reason) for k, r in host.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu with CUDAExecutionProvider")
+def test_no_step_copies_the_cache_between_host_and_device(tiny_runtime: ModelRuntime, tiny_model_repository,
+                                                          sources, tmp_path) -> None:
+    """A float16 step graph on CUDA (served by default: its attention has a CUDA kernel) with its
+    slots on the GPU: onnxruntime's profiler of the step session sees no Memcpy node move a
+    cache or cross key/value tensor (4-D, heads by head_dim), and only a few small copies per
+    step (the ids, positions, mask and logits cross by IO binding, not by Memcpy nodes)."""
+    from service.runtime import CUDA
+    from service.runtime.model_runtime import _usable_step
+
+    cuda = ModelRuntime.load(tiny_model_repository, [CUDA], variant="fp32", step_graph=False)
+    step = _fp16_step(tiny_model_repository, [(CUDA, {"device_id": str(cuda.device_id)}), CPU],
+                      str(tmp_path / "step"))
+    assert _usable_step("tiny", step, CUDA, None) is step
+    runtime = dataclasses.replace(cuda, step=step)
+    runtime.warmup()
+    limits = [12] * len(sources)
+    batch: SlotBatch[int] = SlotBatch(runtime)
+    assert batch.on_device
+    rng = np.random.default_rng(0)
+    pending, results, steps = list(range(len(sources))), {}, 0
+    while pending or len(batch):
+        take = [pending.pop() for _ in range(min(len(pending), int(rng.integers(0, 4))))]
+        if take:
+            batch.concatenate([sources[i] for i in take], take, [limits[i] for i in take])
+        results.update(batch.generate_token())
+        steps += 1
+    copies = _memcpy_shapes(step.end_profiling())
+    heads, head_dim = runtime.n_heads, runtime.head_dim
+    cache_copies = [s for s in copies if len(s) == 4 and s[1] == heads and s[3] == head_dim]
+    assert not cache_copies, f"{len(cache_copies)} copies of cache tensors in {steps} steps"
+    steps += 2  # the warm-up's
+    layers = runtime.n_decoder_layers
+    assert len(copies) < 2 * layers * steps, f"{len(copies)} host-device copies in {steps} steps"
+    assert _agreeing(results, tiny_runtime, sources, limits) >= len(sources) - 1
