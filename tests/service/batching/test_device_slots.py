@@ -43,8 +43,8 @@ def bound(tiny_model_repository) -> ModelRuntime:
 def _schedule(runtime: ModelRuntime, sources: list[list[int]], on_device: bool, seed: int,
               limits: list[int]) -> tuple[dict[int, GenerationResult], list[tuple[int, int, int]]]:
     """Rows join 0-3 at a time at random steps of one batch that starts with 2 slots of 2
-    columns; returns every row's result and the (slots, columns, source width) after each step."""
-    batch: SlotBatch[int] = SlotBatch(runtime, rows=2, capacity=2, on_device=on_device)
+    columns (growing by 2); returns every row's result and the (slots, columns, source width) after each step."""
+    batch: SlotBatch[int] = SlotBatch(runtime, rows=2, capacity=2, quantum=2, on_device=on_device)
     assert batch.on_device is on_device
     rng = np.random.default_rng(seed)
     pending = list(range(len(sources)))
