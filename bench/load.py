@@ -1,5 +1,8 @@
 """HTTP load generator: open loop (a fixed request rate) or closed loop (fixed concurrency).
 
+aiohttp, as `bench.loadgen`: the generator shares the cores with the server it loads, and
+aiohttp spends less CPU per request than httpx.
+
 Every request's send time, status (or transport error) and latency is recorded, so a run can
 be cut into windows (goodput, percentiles per minute). A probe can poll a liveness URL beside
 the load. Usage:
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 TRANSPORT_ERROR = 0  # the status recorded when no HTTP response came back
 
@@ -87,21 +90,23 @@ class LoadResult:
         return [s for s in self.samples if start_s <= s.sent_s < end_s]
 
 
-async def _one(client: httpx.AsyncClient, method: str, url: str, body: Any,
+async def _one(client: aiohttp.ClientSession, method: str, url: str, body: Any,
                headers: dict[str, str], t0: float) -> Sample:
+    """Send one request and read its whole answer; a failure to get one is TRANSPORT_ERROR."""
     sent = time.perf_counter()
     error = ""
     try:
-        response = await client.request(method, url, json=body, headers=headers)
-        status = response.status_code
-    except httpx.HTTPError as exc:
+        async with client.request(method, url, json=body, headers=headers) as response:
+            await response.read()
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
         status, error = TRANSPORT_ERROR, type(exc).__name__
     return Sample(sent - t0, status, time.perf_counter() - sent, error)
 
 
 async def _probe(url: str, every_s: float, t0: float, stop: asyncio.Event,
                  out: list[Sample]) -> None:
-    async with httpx.AsyncClient(timeout=10) as client:
+    async with _client(1, 10.0, True) as client:
         while not stop.is_set():
             out.append(await _one(client, "GET", url, None, {}, t0))
             try:
@@ -110,10 +115,11 @@ async def _probe(url: str, every_s: float, t0: float, stop: asyncio.Event,
                 pass
 
 
-def _client(connections: int, timeout_s: float, keepalive: bool) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=connections,
-                          max_keepalive_connections=connections if keepalive else 0)
-    return httpx.AsyncClient(timeout=timeout_s, limits=limits)
+def _client(connections: int, timeout_s: float, keepalive: bool) -> aiohttp.ClientSession:
+    """At most `connections` connections, kept alive unless `keepalive` is False; each request
+    has `timeout_s` in all."""
+    connector = aiohttp.TCPConnector(limit=connections, force_close=not keepalive)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
 async def open_loop(
@@ -154,7 +160,7 @@ async def closed_loop(
     result = LoadResult(duration_s)
     t0 = time.perf_counter()
 
-    async def user(client: httpx.AsyncClient) -> None:
+    async def user(client: aiohttp.ClientSession) -> None:
         while time.perf_counter() - t0 < duration_s:
             result.samples.append(await _one(client, "POST", url, body, headers, t0))
 
