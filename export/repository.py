@@ -24,7 +24,7 @@ from export.step_graph import STEP_DECODER_FILE, export_step_graph
 from export.storage import save_graphs
 from export.variants import PRECISIONS, convert
 from model.checkpoint import WEIGHTS_FILE, load_model, save_weights
-from model.tokenizer import Tokenizer
+from model.tokenizer import Tokenizer, VocabFiles, VocabTokenizer, load_tokenizer
 from model.transformer import Transformer
 from service.repository import graph_io
 from service.repository.manifest import Manifest, Variant, repository_files, write_manifest
@@ -33,6 +33,8 @@ from service.runtime import CPU, CUDA, ModelRuntime
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.model"
+# a `VocabTokenizer`'s files in the repository, by role (kind "sentencepiece_vocab")
+VOCAB_TOKENIZER_FILES = {"source": "source.spm", "target": "target.spm", "vocab": "vocab.json"}
 MAX_SIZE_MB = 60.0  # per model repository, all files (MiB, as `du -sm` counts)
 DROP_ORDER = ("fp16", "int8")  # variants given up first when the repository is too large
 PROVIDERS = {"fp32": [CUDA, CPU], "int8": [CPU], "fp16": [CUDA]}
@@ -70,12 +72,22 @@ def round_to_bf16(model: Transformer) -> Transformer:
     return rounded
 
 
-def _check_tokenizer(tokenizer: Tokenizer, model: Transformer) -> None:
+def _check_tokenizer(tokenizer: Tokenizer | VocabTokenizer, model: Transformer) -> None:
     config = model.config
     found = (tokenizer.vocab_size, tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id)
     expected = (config.vocab_size, config.pad_id, config.unk_id, config.bos_id, config.eos_id)
     if found != expected:
         raise ValueError(f"tokenizer (vocab, pad, unk, bos, eos) = {found} does not match the model's {expected}")
+
+
+def _copy_tokenizer(files: str | Path | VocabFiles, staging: Path) -> dict[str, Any]:
+    """Copy the tokenizer's files into `staging`; returns the manifest fields that name them."""
+    if not isinstance(files, VocabFiles):
+        shutil.copyfile(files, staging / TOKENIZER_FILE)
+        return {"tokenizer": TOKENIZER_FILE}
+    for role, path in files._asdict().items():
+        shutil.copyfile(path, staging / VOCAB_TOKENIZER_FILES[role])
+    return {"tokenizer": "", "tokenizer_kind": "sentencepiece_vocab", "tokenizer_files": dict(VOCAB_TOKENIZER_FILES)}
 
 
 def _size_mb(directory: Path) -> float:
@@ -84,7 +96,7 @@ def _size_mb(directory: Path) -> float:
 
 def write_repository(
     model: Transformer,
-    tokenizer_path: str | Path,
+    tokenizer_path: str | Path | VocabFiles,
     out_dir: str | Path,
     *,
     task: str,
@@ -105,12 +117,13 @@ def write_repository(
     `data_dir`, every variant's quality is measured on `quality_rows` test rows and a variant
     more than `MAX_DROP` points below fp32 is not servable (without, only fp32 is).
     `provenance` (e.g. the checkpoint's path and training step) is recorded in the manifest.
+    `tokenizer_path` is a SentencePiece model, or the `VocabFiles` of an imported Marian tokenizer.
     """
     if "fp32" not in variants or set(variants) - set(PRECISIONS):
         raise ValueError(f"variants must include fp32 and be among {PRECISIONS}, got {list(variants)}")
     out_dir = Path(out_dir)
     name = name or out_dir.name
-    tokenizer = Tokenizer.from_file(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
     _check_tokenizer(tokenizer, model)
     model = round_to_bf16(model)
     staging = out_dir.parent / f".{out_dir.name}.staging"
@@ -136,7 +149,7 @@ def write_repository(
 
 
 def _build(
-    staging: Path, model: Transformer, tokenizer_path: str | Path, name: str, task: str, source_language: str,
+    staging: Path, model: Transformer, tokenizer_path: str | Path | VocabFiles, name: str, task: str, source_language: str,
     target_language: str, variants: Sequence[str], data_dir: str | Path | None, quality_rows: int,
     sources: list[list[int]] | None, max_size_mb: float | None, threads: int, provenance: dict[str, Any],
 ) -> Manifest:
@@ -144,7 +157,7 @@ def _build(
 
     # 1. weights, tokenizer, graphs
     save_weights(model, staging, dtype=torch.bfloat16)
-    shutil.copyfile(tokenizer_path, staging / TOKENIZER_FILE)
+    tokenizer_fields = _copy_tokenizer(tokenizer_path, staging)
     graphs = export_graphs(model)
     graphs[STEP_DECODER_FILE] = export_step_graph(model)  # last: the others' weights keep their offsets
     entries: dict[str, Variant] = {}
@@ -172,7 +185,7 @@ def _build(
         special_ids={"pad": config.pad_id, "unk": config.unk_id, "bos": config.bos_id, "eos": config.eos_id},
         max_source_len=config.max_source_len, max_target_len=config.max_target_len, opset=OPSET,
         io=graph_io.io_section(config.n_encoder_layers, config.n_decoder_layers), variants=entries,
-        tokenizer=TOKENIZER_FILE, checkpoint=WEIGHTS_FILE,
+        checkpoint=WEIGHTS_FILE, **tokenizer_fields,
         exporter=dict(_exporter_info(), source=provenance),
     )
     write_manifest(staging, manifest)

@@ -11,12 +11,12 @@ streamed) and the KServe v2 infer route.
   beam search, best first in the beam's own order (score / tokens counting `</s>`), each with
   its text, score, finish reason and token count (and `token_scores` with `return_scores`); the
   first is the output itself. Greedy decoding (beam 1) has the one.
-- `target_prefix`: text the output starts with. It is tokenized with the model's tokenizer
-  (no `</s>`) and the decoder is fed its tokens as its first choices, greedy rows in the running
-  batch beside the others, every beam alike; then it decodes freely. The output's text, tokens,
-  scores and `output_tokens` include the prefix, which counts towards `max_new_tokens` and must
-  leave at least one token to generate. A string applies to every text; a list (with `texts`)
-  gives one prefix per text, `""` for none.
+- `target_prefix`: text the output starts with. It is tokenized as a target text (the
+  tokenizer's `encode_target_batch`, no `</s>`) and the decoder is fed its tokens as its first
+  choices, greedy rows in the running batch beside the others, every beam alike; then it
+  decodes freely. The output's text, tokens, scores and `output_tokens` include the prefix,
+  which counts towards `max_new_tokens` and must leave at least one token to generate. A string
+  applies to every text; a list (with `texts`) gives one prefix per text, `""` for none.
 
 The decoding loop sees these through each row's `RowHooks` (`prefix`, `scores`, `hypotheses`);
 a request that asks none of them gets no hooks from here and decodes exactly as before.
@@ -109,7 +109,7 @@ def decode_options(
         if len(given) != texts:
             raise InvalidInput(f"{where}: {len(given)} prefixes for {texts} texts")
         names = [where] * texts if isinstance(target_prefix, str) else [f"{where}.{i}" for i in range(texts)]
-        encoded = runtime.tokenizer.encode_batch(given)
+        encoded = runtime.tokenizer.encode_target_batch(given)
         for name, ids in zip(names, encoded, strict=True):
             if len(ids) >= max_new_tokens:
                 raise InvalidInput(f"{name}: {len(ids)} tokens; at most {max_new_tokens - 1} allowed, "

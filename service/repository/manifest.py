@@ -3,6 +3,8 @@ every file in its folder. Torch-free: the service reads it with the standard lib
 
     models/<name>/manifest.json
     models/<name>/tokenizer.model, checkpoint.safetensors
+    models/<name>/source.spm, target.spm, vocab.json   instead of tokenizer.model: an imported
+                                                       Marian tokenizer (`tokenizer_kind`)
     models/<name>/encoder.onnx, decoder.onnx           fp32
     models/<name>/decoder_step.onnx                    fp32 (continuous batching's step)
     models/<name>/encoder.fp16.onnx, decoder.fp16.onnx fp16, sharing fp32's weights.bin
@@ -23,6 +25,9 @@ from model.config import ModelConfig
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 2  # 2: standard ONNX external data (1 stored packed bfloat16 weights)
 TASKS = ("translate", "summarize")
+# tokenizer_kind -> the roles of its files in `tokenizer_files` ("sentencepiece": `tokenizer` alone,
+# `model.tokenizer.Tokenizer`; "sentencepiece_vocab": `model.tokenizer.VocabTokenizer`)
+TOKENIZER_KINDS: dict[str, tuple[str, ...]] = {"sentencepiece": (), "sentencepiece_vocab": ("source", "target", "vocab")}
 
 
 class ManifestError(Exception):
@@ -85,7 +90,9 @@ class Manifest:
     io: dict[str, dict[str, list[dict[str, Any]]]]  # {encoder|decoder|decoder_step: {inputs|outputs: [...]}}
     variants: dict[str, Variant]
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
-    tokenizer: str = "tokenizer.model"
+    tokenizer: str = "tokenizer.model"  # kind "sentencepiece": the SentencePiece model ("" otherwise)
+    tokenizer_kind: str = "sentencepiece"  # a key of TOKENIZER_KINDS
+    tokenizer_files: dict[str, str] = field(default_factory=dict)  # role -> path, the kind's roles
     checkpoint: str = "checkpoint.safetensors"
     source_suffix: str = "eos"  # sources are tokenizer ids + [eos]
     quality: dict[str, Any] | None = None  # fp32 quality (same numbers as variants["fp32"])
@@ -99,6 +106,12 @@ class Manifest:
                "eos": self.config.eos_id}
         if self.special_ids != ids:
             raise ValueError(f"special_ids {self.special_ids} differ from model_config's {ids}")
+        if self.tokenizer_kind not in TOKENIZER_KINDS:
+            raise ValueError(f"tokenizer_kind must be one of {sorted(TOKENIZER_KINDS)}, got {self.tokenizer_kind!r}")
+        roles = TOKENIZER_KINDS[self.tokenizer_kind]
+        if sorted(self.tokenizer_files) != sorted(roles):
+            raise ValueError(f"tokenizer_files of kind {self.tokenizer_kind!r} must name {list(roles)}, "
+                             f"got {sorted(self.tokenizer_files)}")
     format_version: int = FORMAT_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,6 +134,10 @@ class Manifest:
         if manifest.task not in TASKS:
             raise ManifestError(f"task must be one of {TASKS}, got {manifest.task!r}")
         return manifest
+
+    def tokenizer_paths(self) -> list[str]:
+        """The tokenizer's files (relative paths): `tokenizer`, or those of `tokenizer_files`."""
+        return [self.tokenizer] if self.tokenizer_kind == "sentencepiece" else list(self.tokenizer_files.values())
 
     def variant(self, name: str) -> Variant:
         try:
@@ -176,7 +193,7 @@ def verify_files(directory: str | Path, manifest: Manifest) -> None:
     """Check every listed file (present, non-empty, same sha256) and that the manifest lists
     every file its variants, tokenizer and checkpoint refer to; raises a `ManifestError`."""
     root = Path(directory)
-    referenced = {manifest.tokenizer, manifest.checkpoint}
+    referenced = {*manifest.tokenizer_paths(), manifest.checkpoint}
     for variant in manifest.variants.values():
         referenced.update((variant.encoder, variant.decoder))
         if variant.step_decoder:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from model.tokenizer import Tokenizer
+from model.tokenizer import Tokenizer, VocabFiles, VocabTokenizer, load_tokenizer
 from service.repository import graph_io
 from service.repository.manifest import (
     Manifest,
@@ -76,7 +76,7 @@ class ModelRuntime:
     name: str
     task: str
     manifest: Manifest
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | VocabTokenizer
     provider: str  # the execution provider the sessions run on
     variant: str  # "fp32" | "int8" | "fp16"
     encoder: ort.InferenceSession
@@ -369,11 +369,18 @@ class ModelRuntime:
                            np.full((2, 1), position, dtype=np.int64), state.source_mask)
 
 
-def _load_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer:
+def _load_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer | VocabTokenizer:
+    """The manifest's tokenizer: its SentencePiece model, or (kind "sentencepiece_vocab") its
+    source and target SentencePiece models and vocabulary; its special ids must be the manifest's."""
+    if manifest.tokenizer_kind == "sentencepiece":
+        files: Path | VocabFiles = directory / manifest.tokenizer
+    else:
+        files = VocabFiles(*(directory / manifest.tokenizer_files[role] for role in VocabFiles._fields))
     try:
-        tokenizer = Tokenizer.from_file(directory / manifest.tokenizer)
-    except (OSError, RuntimeError) as error:
-        raise ModelLoadError(f"{directory}: cannot load {manifest.tokenizer}: {error}") from error
+        tokenizer = load_tokenizer(files)
+    except (OSError, RuntimeError, ValueError) as error:
+        raise ModelLoadError(f"{directory}: cannot load {', '.join(manifest.tokenizer_paths())}: "
+                             f"{error}") from error
     ids = {"pad": tokenizer.pad_id, "unk": tokenizer.unk_id, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
     if ids != manifest.special_ids:
         raise ModelLoadError(f"{directory}: tokenizer special ids {ids} differ from the manifest's "

@@ -27,6 +27,10 @@ class CharTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode(text) for text in texts]
 
+    def encode_target_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Target-side texts: the same characters."""
+        return self.encode_batch(texts)
+
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(ALPHABET[i - 4] if i >= 4 else "?" for i in ids)
 

@@ -146,9 +146,10 @@ def _source(
 def _given_target(
     runtime: Runtime, text: str, settings: Settings
 ) -> tuple[list[int], list[dict[str, Any]]]:
-    """The target's ids (no BOS/EOS) and its tokens (then `</s>`), within the target limits."""
+    """The target's ids (no BOS/EOS; tokenized as a target text) and its tokens (then `</s>`),
+    within the target limits."""
     _check_chars("target", text, settings)
-    ids, spans = runtime.tokenizer.encode_with_offsets(text)
+    ids, spans = runtime.tokenizer.encode_target_with_offsets(text)
     limit = min(runtime.max_target_len, settings.attention_max_target_tokens)
     if len(ids) > limit:
         raise InvalidInput(f"target: {len(ids)} tokens; at most {limit} allowed")

@@ -91,6 +91,48 @@ def test_malformed_manifests(repository: Path) -> None:
         read_manifest(repository)
 
 
+VOCAB_FILES = {"source": "source.spm", "target": "target.spm", "vocab": "vocab.json"}
+
+
+def test_a_manifest_without_a_tokenizer_kind_names_one_sentencepiece_model(repository: Path) -> None:
+    path = repository / "manifest.json"
+    values = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in values.items() if not k.startswith("tokenizer_")}))
+    manifest = read_manifest(repository)
+    assert (manifest.tokenizer_kind, manifest.tokenizer_paths()) == ("sentencepiece", ["tokenizer.model"])
+    verify_files(repository, manifest)
+
+
+def test_a_vocabulary_tokenizer_lists_and_hashes_its_three_files(repository: Path) -> None:
+    (repository / "tokenizer.model").unlink()
+    for name in VOCAB_FILES.values():
+        (repository / name).write_bytes(name.encode() * 10)
+    manifest = _manifest()
+    manifest.tokenizer, manifest.tokenizer_kind, manifest.tokenizer_files = "", "sentencepiece_vocab", VOCAB_FILES
+    write_manifest(repository, manifest)
+    read = read_manifest(repository)
+    assert sorted(read.tokenizer_paths()) == sorted(VOCAB_FILES.values())
+    verify_files(repository, read)
+    (repository / "target.spm").unlink()
+    with pytest.raises(MissingFile, match="target.spm"):
+        verify_files(repository, read)
+    read.files.pop("target.spm")
+    with pytest.raises(ManifestError, match="target.spm not covered"):
+        verify_files(repository, read)
+
+
+@pytest.mark.parametrize(("kind", "files", "message"), [
+    ("wordpiece", {}, "tokenizer_kind must be one of"),
+    ("sentencepiece_vocab", {"source": "source.spm", "vocab": "vocab.json"}, "must name"),
+    ("sentencepiece", VOCAB_FILES, "must name"),
+])
+def test_a_tokenizer_kind_needs_its_files(repository: Path, kind: str, files: dict[str, str], message: str) -> None:
+    path = repository / "manifest.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), tokenizer_kind=kind, tokenizer_files=files)))
+    with pytest.raises(ManifestError, match=message):
+        read_manifest(repository)
+
+
 # -- the runtime refuses what the check refuses (real tiny repository) --------------------------
 
 
