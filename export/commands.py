@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,14 @@ def _find_tokenizer(checkpoint: str, given: str | None) -> str:
     return str(found)
 
 
-def _test_sources(data_dir: str, tokenizer_path: str, max_source_len: int, count: int = 6) -> list[list[int]]:
-    """The first `count` test sources, tokenized like the service does (ids + EOS)."""
+def _test_sources(data_dir: str, tokenizer: Any, max_source_len: int, count: int = 6) -> list[list[int]]:
+    """The first `count` test sources, tokenized like the service does (ids + EOS) by `tokenizer`
+    (a loaded tokenizer, or the path of a SentencePiece model)."""
     from model.run_config import read_split
-    from model.tokenizer import Tokenizer
+    from model.tokenizer import load_tokenizer
 
-    tokenizer = Tokenizer.from_file(tokenizer_path)
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer)
     sources, _ = read_split(data_dir, "test")
     return [ids[: max_source_len - 1] + [tokenizer.eos_id] for ids in tokenizer.encode_batch(sources[:count])]
 
@@ -121,7 +124,8 @@ def _register_import_hf(subcommands: argparse._SubParsersAction) -> None:
         description="Read a MarianMTModel or BartForConditionalGeneration folder (config.json, weights and a "
         "SentencePiece tokenizer; never downloads), convert it, check it against transformers, and write a model "
         "repository like `export` does (graphs with attention outputs, step graph, tokenizer, manifest, parity "
-        "check). Marian: source.spm and target.spm must be one model and vocab.json ids its ids. BART: the "
+        "check). Marian: source.spm, target.spm and vocab.json (OPUS-MT's two models and joint vocabulary are "
+        "served as transformers' MarianTokenizer tokenizes). BART: the "
         "tokenizer must be a SentencePiece model saved as sentencepiece.bpe.model (byte-level BPE folders are "
         "refused).",
     )
@@ -182,8 +186,6 @@ def _register_check_parity(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _check_parity(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     from export.parity import ParityError, check_parity, parity_sources
@@ -200,8 +202,7 @@ def _check_parity(args: argparse.Namespace) -> int:
     model = load_model(args.checkpoint or args.model_dir)
     config = model.config
     if args.data_dir:
-        sources = _test_sources(args.data_dir, str(Path(args.model_dir) / runtime.manifest.tokenizer),
-                                config.max_source_len)
+        sources = _test_sources(args.data_dir, runtime.tokenizer, config.max_source_len)
     else:
         sources = parity_sources(config.vocab_size, config.eos_id)
     try:

@@ -17,15 +17,18 @@ teacher-forced), and `export.repository.write_repository` does the rest as for o
 (graphs with attention outputs, the step graph, tokenizer, manifest with hashes, parity of
 onnxruntime with PyTorch).
 
-Tokenizer: the service tokenizes with one SentencePiece model whose ids are the model's ids.
-A Marian folder is accepted when source.spm and target.spm are the same model and vocab.json
-maps each of its pieces to the piece's own SentencePiece id (and holds nothing else); the
-OPUS-MT folders on the Hub map pieces to other ids (a joint vocabulary with pad last) and are
-refused with the reason. A BART folder is accepted when it holds its SentencePiece model as
-sentencepiece.bpe.model (and a vocab.json beside it, if any, maps pieces to those ids); the
-Hub's BART folders tokenize with byte-level BPE (vocab.json and merges.txt, no SentencePiece
-model) and are refused with the reason. Either way the model's vocabulary size and pad/eos ids
-must be the SentencePiece model's.
+Tokenizer. A Marian folder has source.spm, target.spm and vocab.json. When the two
+SentencePiece models are one and vocab.json maps each of its pieces to the piece's own id (and
+holds nothing else), the repository keeps that model as its tokenizer.model, like our own
+models. Otherwise, as in the OPUS-MT folders on the Hub (two models and a joint vocabulary:
+`</s>` 0, `<unk>` 1, ..., `<pad>` last), it keeps the three files and the service tokenizes with
+`model.tokenizer.VocabTokenizer` as transformers' MarianTokenizer does: source texts by
+source.spm, target texts and outputs by target.spm, pieces to ids by vocab.json, special ids
+from vocab.json. A separate target vocabulary (target_vocab.json) is refused. A BART folder is
+accepted when it holds its SentencePiece model as sentencepiece.bpe.model (and a vocab.json
+beside it, if any, maps pieces to those ids); the Hub's BART folders tokenize with byte-level
+BPE (vocab.json and merges.txt, no SentencePiece model) and are refused with the reason. Either
+way the model's vocabulary size and pad/eos ids must be the tokenizer's.
 
 Generation settings of the folder that the service does not apply (e.g. BART's
 forced_bos_token_id) are logged and recorded in the manifest.
@@ -48,13 +51,14 @@ from torch import Tensor, nn
 from export.parity import ATTENTION_ATOL, LOGITS_ATOL, OutputMismatch, parity_sources
 from model.config import ModelConfig
 from model.embedding import Embedding
-from model.tokenizer import Tokenizer
+from model.tokenizer import Tokenizer, VocabFiles, VocabTokenizer, load_tokenizer
 from model.transformer import DecoderLayer, EncoderLayer, Transformer
 from service.repository.manifest import Manifest, sha256_file
 
 log = logging.getLogger(__name__)
 
 SOURCE_SPM, TARGET_SPM, VOCAB_JSON = "source.spm", "target.spm", "vocab.json"
+TARGET_VOCAB_JSON, TOKENIZER_CONFIG = "target_vocab.json", "tokenizer_config.json"
 BART_SPM, MERGES_TXT = "sentencepiece.bpe.model", "merges.txt"
 # model_type -> the transformers class read, and the `ModelConfig` fields that tell it apart
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -97,39 +101,51 @@ def load_hf_model(model_dir: str | Path) -> Any:
     return model.eval()
 
 
-def check_tokenizer(model_dir: str | Path, hf_config: Any) -> Path:
-    """The folder's SentencePiece model, when its ids are the model's (see the module's docstring)."""
+def check_tokenizer(model_dir: str | Path, hf_config: Any) -> Path | VocabFiles:
+    """The folder's tokenizer, when its ids are the model's (see the module's docstring): a
+    SentencePiece model, or the `VocabFiles` of a Marian vocabulary."""
     directory = Path(model_dir)
-    if hf_config.model_type == "marian":
-        path = _marian_spm(directory)
-    else:
-        path = _bart_spm(directory)
-    tokenizer = Tokenizer.from_file(path)
-    _check_vocab_json(directory, tokenizer, path.name)
+    files = _marian_files(directory) if hf_config.model_type == "marian" else _bart_spm(directory)
+    name = VOCAB_JSON if isinstance(files, VocabFiles) else files.name
+    try:
+        tokenizer = load_tokenizer(files)
+    except (OSError, RuntimeError, ValueError) as error:
+        raise UnsupportedModel(f"{directory}: cannot read its tokenizer ({name}): {error}") from error
+    if isinstance(tokenizer, Tokenizer):
+        _check_vocab_json(directory, tokenizer, name)
     if tokenizer.vocab_size != hf_config.vocab_size:
-        raise UnsupportedModel(f"{directory}: {path.name} has {tokenizer.vocab_size} pieces, the model "
+        raise UnsupportedModel(f"{directory}: {name} has {tokenizer.vocab_size} pieces, the model "
                                f"{hf_config.vocab_size} ids")
     specials = {"pad": tokenizer.pad_id, "unk": tokenizer.unk_id, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id}
     if min(specials.values()) < 0:
-        raise UnsupportedModel(f"{directory}: {path.name} lacks a special piece ({specials}); the service needs "
+        raise UnsupportedModel(f"{directory}: {name} lacks a special piece ({specials}); the service needs "
                                "pad, unk, bos and eos")
     if (tokenizer.pad_id, tokenizer.eos_id) != (hf_config.pad_token_id, hf_config.eos_token_id):
-        raise UnsupportedModel(f"{directory}: {path.name}'s pad/eos ids {tokenizer.pad_id}/{tokenizer.eos_id} "
+        raise UnsupportedModel(f"{directory}: {name}'s pad/eos ids {tokenizer.pad_id}/{tokenizer.eos_id} "
                                f"differ from the model's {hf_config.pad_token_id}/{hf_config.eos_token_id}")
-    return path
+    return files
 
 
-def _marian_spm(directory: Path) -> Path:
-    """source.spm, when target.spm is the same model and vocab.json is there."""
+def _marian_files(directory: Path) -> Path | VocabFiles:
+    """source.spm when target.spm is the same model and vocab.json maps its pieces to their own
+    ids; else the three files (a vocabulary of its own); a separate target vocabulary is refused."""
     source, target, vocab_path = directory / SOURCE_SPM, directory / TARGET_SPM, directory / VOCAB_JSON
     for path in (source, target, vocab_path):
         if not path.is_file():
             raise UnsupportedModel(f"{directory}: no {path.name} (a Marian folder has source.spm, target.spm, "
                                    "vocab.json)")
-    if sha256_file(source) != sha256_file(target):
-        raise UnsupportedModel(f"{directory}: source.spm and target.spm differ; the service tokenizes both "
-                               "sides with one SentencePiece model")
-    return source
+    config_path = directory / TOKENIZER_CONFIG
+    settings = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    if (directory / TARGET_VOCAB_JSON).is_file() or settings.get("separate_vocabs"):
+        raise UnsupportedModel(f"{directory}: separate source and target vocabularies ({TARGET_VOCAB_JSON}); the "
+                               "service serves one vocabulary for both sides")
+    if sha256_file(source) == sha256_file(target):
+        try:
+            if _maps_own_ids(vocab_path, Tokenizer.from_file(source)):
+                return source
+        except (OSError, RuntimeError, ValueError) as error:
+            raise UnsupportedModel(f"{directory}: cannot read its tokenizer: {error}") from error
+    return VocabFiles(source, target, vocab_path)
 
 
 def _bart_spm(directory: Path) -> Path:
@@ -144,20 +160,24 @@ def _bart_spm(directory: Path) -> Path:
     raise UnsupportedModel(f"{directory}: no {BART_SPM} (the SentencePiece model whose ids are the model's)")
 
 
+def _maps_own_ids(vocab_path: Path, tokenizer: Tokenizer) -> bool:
+    """Whether the JSON file maps every piece of the SentencePiece model to its own id, and holds
+    nothing else."""
+    pieces = tokenizer.pieces(range(tokenizer.vocab_size))
+    vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+    return bool(vocab == {piece: i for i, piece in enumerate(pieces)})
+
+
 def _check_vocab_json(directory: Path, tokenizer: Tokenizer, spm_name: str) -> None:
     """vocab.json, where there is one, maps every piece to its own SentencePiece id and holds nothing else."""
     vocab_path = directory / VOCAB_JSON
-    if not vocab_path.is_file():
-        return
-    pieces = tokenizer.pieces(range(tokenizer.vocab_size))
-    vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
-    if vocab != {piece: i for i, piece in enumerate(pieces)}:
+    if vocab_path.is_file() and not _maps_own_ids(vocab_path, tokenizer):
         raise UnsupportedModel(f"{directory}: vocab.json does not map every piece of {spm_name} to its own "
-                               "SentencePiece id (and nothing else); such vocabularies need an id map the "
-                               "service does not have yet")
+                               "SentencePiece id (and nothing else); the service maps pieces by a vocabulary "
+                               "for Marian folders (source.spm, target.spm, vocab.json) only")
 
 
-def hf_model_config(hf_config: Any, tokenizer: Tokenizer, max_source_len: int, max_target_len: int,
+def hf_model_config(hf_config: Any, tokenizer: Tokenizer | VocabTokenizer, max_source_len: int, max_target_len: int,
                     tied: bool) -> ModelConfig:
     """Our `ModelConfig` of a Marian or BART config (refusing what `Transformer` cannot express).
 
@@ -220,7 +240,7 @@ def _copy_embedding(ours: Embedding, theirs: Any, norm: nn.LayerNorm | None) -> 
 
 
 @torch.no_grad()
-def convert_hf(hf_model: Any, tokenizer: Tokenizer, max_source_len: int = 256,
+def convert_hf(hf_model: Any, tokenizer: Tokenizer | VocabTokenizer, max_source_len: int = 256,
                max_target_len: int = 128) -> Transformer:
     """A `Transformer` computing what the Marian or BART model computes, with its weights copied."""
     encoder, decoder = hf_model.model.encoder, hf_model.model.decoder
@@ -319,7 +339,7 @@ def import_hf(
     manifest_task, source_language, target_language = parse_task(task)
     hf_model = load_hf_model(directory)
     tokenizer_path = check_tokenizer(directory, hf_model.config)
-    tokenizer = Tokenizer.from_file(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
     model = convert_hf(hf_model, tokenizer, max_source_len, max_target_len)
     config = model.config
     # within max_source_len: a learned position table has no rows past it

@@ -1,30 +1,44 @@
 """`attnserve import-hf` on a tiny random MarianMTModel and BartForConditionalGeneration built
 from a config (no download): the service's greedy and beam outputs equal `model.generate`, and
-its attention maps equal those transformers returns with `output_attentions=True`."""
+its attention maps equal those transformers returns with `output_attentions=True`. The Marian
+model comes twice: with one SentencePiece model whose ids are the model's ("marian"), and in the
+OPUS-MT layout ("opus": source.spm and target.spm trained apart, a joint vocab.json with `</s>`
+0, `<unk>` 1 and `<pad>` last), whose tokenization must be transformers' MarianTokenizer's."""
 
 from __future__ import annotations
 
+import io
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from export.hf_import import BART_SPM, UnsupportedModel, import_hf, parse_task
 from model.config import ModelConfig
-from model.tokenizer import Tokenizer
+from model.tokenizer import Tokenizer, VocabTokenizer
 from model.transformer import Transformer
 from service.generation.search import generate, teacher_forced_attention
+from service.repository.manifest import sha256_file
 from service.runtime import CPU, ModelRuntime
 
 pytestmark = pytest.mark.anyio
 
 TEXTS = ["abc de", "a", "fgh", "ij klm", "no", "a b c", "mlk", "ab cd ef", "o n m l", "gf ed"]
+# the OPUS-style folder's languages: words its source.spm and target.spm are trained on
+OPUS_SOURCE_WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "a", "dog", "ran", "to", "the", "hat"]
+OPUS_TARGET_WORDS = ["die", "katze", "sass", "auf", "der", "matte", "und", "ein", "hund", "lief", "zum", "hut"]
+# sources with target-only words, characters neither model has ("C", "!", "?"), a language code
+OPUS_TEXTS = ["the cat sat", "a dog", "the mat and the hat", "katze", "the hund ran", "on a mat",
+              "dog ran to the cat", "the Cat!", "a", "hat on  the dog?", ">>de<< the cat", "ran"]
+OPUS_LANGUAGE_CODE = ">>de<<"  # in the vocabulary, in neither SentencePiece model
 MAX_NEW_TOKENS = 12
 
 
@@ -42,26 +56,86 @@ def _round_weights(model: Any, keep: str | None = None) -> None:
                 parameter.copy_(_bf16(parameter))
 
 
+def _random_marian(vocab_size: int, pad: int, eos: int, bos: int, seed: int) -> Any:
+    """A seeded random MarianMTModel (OPUS-MT's settings: swish, scaled embeddings, pad as the
+    decoder's start), weights rounded to bfloat16."""
+    config = transformers.MarianConfig(
+        vocab_size=vocab_size, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=pad, eos_token_id=eos, bos_token_id=bos, decoder_start_token_id=pad,
+        forced_eos_token_id=None, scale_embedding=True, activation_function="swish", dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, init_std=0.5,
+    )
+    torch.manual_seed(seed)
+    model = transformers.MarianMTModel(config).eval()
+    _round_weights(model, keep="embed_positions")  # sinusoids: computed, not stored
+    return model
+
+
 def tiny_marian(tokenizer_path: Path, directory: Path) -> Any:
     """A seeded random MarianMTModel over the tiny tokenizer's 20 ids, saved with its tokenizer
     files (source.spm = target.spm, vocab.json with the SentencePiece ids)."""
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    config = transformers.MarianConfig(
-        vocab_size=tokenizer.vocab_size, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id, bos_token_id=tokenizer.bos_id,
-        decoder_start_token_id=tokenizer.pad_id, forced_eos_token_id=None, scale_embedding=True,
-        activation_function="swish", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, init_std=0.5,
-    )
-    torch.manual_seed(0)
-    model = transformers.MarianMTModel(config).eval()
-    _round_weights(model, keep="embed_positions")  # sinusoids: computed, not stored
+    model = _random_marian(tokenizer.vocab_size, tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, seed=0)
     model.save_pretrained(directory)
     shutil.copyfile(tokenizer_path, directory / "source.spm")
     shutil.copyfile(tokenizer_path, directory / "target.spm")
     pieces = tokenizer.pieces(range(tokenizer.vocab_size))
     (directory / "vocab.json").write_text(json.dumps({p: i for i, p in enumerate(pieces)}), encoding="utf-8")
     return model
+
+
+def _train_spm(words: list[str], seed: int) -> bytes:
+    """A small unigram SentencePiece model of lines of `words`, with sentencepiece's default
+    special pieces (`<unk>` 0, `<s>` 1, `</s>` 2, no pad), as OPUS-MT's models have."""
+    rng = random.Random(seed)
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randrange(1, 6))) for _ in range(300)]
+    model = io.BytesIO()
+    spm.set_random_generator_seed(seed)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=40,
+                                   model_type="unigram", hard_vocab_limit=False, character_coverage=1.0,
+                                   minloglevel=2, num_threads=1)
+    return model.getvalue()
+
+
+def opus_vocab(*models: bytes) -> dict[str, int]:
+    """The joint vocabulary of OPUS-MT's vocab.json: `</s>` 0, `<unk>` 1, the pieces of the models
+    (each once, in their order), a language code, `<pad>` last."""
+    vocab = {"</s>": 0, "<unk>": 1}
+    for proto in models:
+        sp = spm.SentencePieceProcessor(model_proto=proto)
+        for i in range(sp.get_piece_size()):
+            if not (sp.is_control(i) or sp.is_unknown(i)):
+                vocab.setdefault(sp.id_to_piece(i), len(vocab))
+    vocab[OPUS_LANGUAGE_CODE] = len(vocab)
+    vocab["<pad>"] = len(vocab)
+    return vocab
+
+
+def tiny_opus(tokenizer_path: Path, directory: Path) -> Any:
+    """A seeded random MarianMTModel over an OPUS-style tokenizer (its own: the tiny tokenizer is
+    not used), saved with `MarianTokenizer.save_pretrained`: source.spm and target.spm trained on
+    different words, vocab.json joining their pieces (`opus_vocab`), eos `</s>` (also bos, as in
+    OPUS-MT's configs), pad `<pad>` the decoder's start."""
+    files = directory.parent / "opus-tokenizer"
+    files.mkdir()
+    source, target = _train_spm(OPUS_SOURCE_WORDS, seed=0), _train_spm(OPUS_TARGET_WORDS, seed=1)
+    (files / "source.spm").write_bytes(source)
+    (files / "target.spm").write_bytes(target)
+    vocab = opus_vocab(source, target)
+    (files / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    tokenizer = transformers.MarianTokenizer(str(files / "source.spm"), str(files / "target.spm"),
+                                             str(files / "vocab.json"))
+    # a seed whose greedy and beam outputs stop at EOS at several lengths
+    model = _random_marian(len(vocab), vocab["<pad>"], vocab["</s>"], vocab["</s>"], seed=20)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+def marian_tokenizer(folder: Path) -> Any:
+    """transformers' MarianTokenizer of a folder."""
+    return transformers.MarianTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def tiny_bart(tokenizer_path: Path, directory: Path) -> Any:
@@ -94,9 +168,11 @@ class Imported(NamedTuple):
     model: Any  # the transformers model, eager attention, generating as the service does
     folder: Path  # the Hugging Face folder
     repository: Path  # what import-hf wrote
+    texts: list[str]  # sources in the folder's language
 
 
-BUILDERS = {"marian": (tiny_marian, "translate-en-de"), "bart": (tiny_bart, "summarize-en")}
+BUILDERS = {"marian": (tiny_marian, "translate-en-de"), "bart": (tiny_bart, "summarize-en"),
+            "opus": (tiny_opus, "translate-en-de")}
 ROUTES = {"translate": "/v1/translate", "summarize": "/v1/summarize"}
 
 
@@ -115,7 +191,7 @@ def imported(request: pytest.FixtureRequest, tiny_tokenizer: Path,
     # the service applies no forced tokens (the manifest records them), so neither does the reference
     model.generation_config.forced_bos_token_id = None
     model.generation_config.forced_eos_token_id = None
-    return Imported(architecture, model, root / "hf", out)
+    return Imported(architecture, model, root / "hf", out, OPUS_TEXTS if architecture == "opus" else TEXTS)
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +199,8 @@ def runtime(imported: Imported) -> ModelRuntime:
     return ModelRuntime.load(imported.repository, [CPU], threads=1, variant="fp32")
 
 
-def _sources(runtime: ModelRuntime) -> list[list[int]]:
-    return [[*runtime.tokenizer.encode(t), runtime.eos_id] for t in TEXTS]
+def _sources(imported: Imported, runtime: ModelRuntime) -> list[list[int]]:
+    return [[*runtime.tokenizer.encode(t), runtime.eos_id] for t in imported.texts]
 
 
 def _hf_generate(model: Any, source: list[int], beams: int) -> list[int]:
@@ -146,17 +222,27 @@ EXPECTED_CONFIG = {  # what tells the architectures apart in the manifest (tiny 
                "scale_embedding": True, "max_target_len": 64},
     "bart": {"decoder_start_id": 3, "position_layout": "learned", "embedding_norm": True, "activation": "gelu",
              "scale_embedding": False, "max_target_len": 63},
+    # the start token (pad, last of the vocabulary) is read from the folder's vocab.json
+    "opus": {"position_layout": "halves", "embedding_norm": False, "activation": "swish",
+             "scale_embedding": True, "max_target_len": 64},
 }
 
 
 def test_manifest_records_the_start_token_and_the_conversion(imported: Imported) -> None:
     manifest = json.loads((imported.repository / "manifest.json").read_text())
     config = manifest["model_config"]
-    assert {k: config[k] for k in EXPECTED_CONFIG[imported.architecture]} == EXPECTED_CONFIG[imported.architecture]
+    expected = dict(EXPECTED_CONFIG[imported.architecture])
+    if imported.architecture == "opus":
+        vocab = json.loads((imported.folder / "vocab.json").read_text())
+        expected["decoder_start_id"] = vocab["<pad>"]
+        assert vocab["<pad>"] == len(vocab) - 1 == config["vocab_size"] - 1
+        assert manifest["special_ids"] == {"pad": vocab["<pad>"], "unk": vocab["<unk>"], "bos": vocab["<pad>"],
+                                           "eos": vocab["</s>"]}
+    assert {k: config[k] for k in expected} == expected
     task, _, language = BUILDERS[imported.architecture][1].partition("-")
     assert (manifest["task"], manifest["source_language"]) == (task, language.split("-")[0])
     source = manifest["exporter"]["source"]
-    assert source["architecture"] == imported.architecture
+    assert source["architecture"] == imported.model.config.model_type
     if imported.architecture == "bart":  # BART's forced tokens are recorded as not applied
         assert source["generation_settings_not_applied"] == {"forced_bos_token_id": 2, "forced_eos_token_id": 3}
     assert manifest["exporter"]["parity"]["greedy_rows_identical"] > 0
@@ -164,10 +250,26 @@ def test_manifest_records_the_start_token_and_the_conversion(imported: Imported)
     assert manifest["variants"]["fp32"]["step_decoder"] == "decoder_step.onnx"
 
 
+def test_manifest_records_the_tokenizer_files(imported: Imported) -> None:
+    """One SentencePiece model as tokenizer.model; OPUS-MT's three files as they are, by role,
+    each with its sha256."""
+    manifest = json.loads((imported.repository / "manifest.json").read_text())
+    if imported.architecture != "opus":
+        assert (manifest["tokenizer_kind"], manifest["tokenizer"]) == ("sentencepiece", "tokenizer.model")
+        assert "tokenizer.model" in manifest["files"]
+        return
+    roles = {"source": "source.spm", "target": "target.spm", "vocab": "vocab.json"}
+    assert (manifest["tokenizer_kind"], manifest["tokenizer_files"]) == ("sentencepiece_vocab", roles)
+    assert not (imported.repository / "tokenizer.model").exists()
+    for name in roles.values():
+        assert (imported.repository / name).read_bytes() == (imported.folder / name).read_bytes()
+        assert manifest["files"][name] == sha256_file(imported.folder / name)
+
+
 @pytest.mark.parametrize("beams", [1, 3])
 def test_outputs_equal_transformers_generate(imported: Imported, runtime: ModelRuntime, beams: int) -> None:
     model = imported.model
-    sources = _sources(runtime)
+    sources = _sources(imported, runtime)
     expected = [_hf_generate(model, source, beams) for source in sources]
     batched = generate(runtime, sources, beams, MAX_NEW_TOKENS)
     assert [r.tokens for r in batched] == expected
@@ -176,7 +278,7 @@ def test_outputs_equal_transformers_generate(imported: Imported, runtime: ModelR
 
 def test_attention_equals_transformers(imported: Imported, runtime: ModelRuntime) -> None:
     model = imported.model
-    for source in _sources(runtime)[:4]:
+    for source in _sources(imported, runtime)[:4]:
         target = [5, 9, 7, 11]
         maps = teacher_forced_attention(runtime, source, target)
         with torch.no_grad():
@@ -196,27 +298,133 @@ async def test_generate_over_http(imported: Imported, beams: int) -> None:
     from service.api.app import create_app
     from tests.service.conftest import serving, tiny_settings
 
-    tokenizer = Tokenizer.from_file(imported.repository / "tokenizer.model")
-    expected = [tokenizer.decode(_hf_generate(imported.model, [*tokenizer.encode(t), tokenizer.eos_id], beams))
-                for t in TEXTS]
+    if imported.architecture == "opus":  # tokenized and detokenized by transformers
+        reference = marian_tokenizer(imported.folder)
+        sources = reference(imported.texts).input_ids
+        expected = reference.batch_decode([_hf_generate(imported.model, s, beams) for s in sources],
+                                          skip_special_tokens=True, use_source_tokenizer=False)
+    else:
+        tokenizer = Tokenizer.from_file(imported.repository / "tokenizer.model")
+        expected = [tokenizer.decode(_hf_generate(imported.model, [*tokenizer.encode(t), tokenizer.eos_id], beams))
+                    for t in imported.texts]
     route = ROUTES[json.loads((imported.repository / "manifest.json").read_text())["task"]]
     async with serving(create_app(tiny_settings(imported.repository.parent))) as client:
-        response = await client.post(route, json={"texts": TEXTS, "beam_size": beams,
+        response = await client.post(route, json={"texts": imported.texts, "beam_size": beams,
                                                   "max_new_tokens": MAX_NEW_TOKENS})
     assert response.status_code == 200, response.text
     assert [output["text"] for output in response.json()["outputs"]] == expected
 
 
+OPUS_ONLY = pytest.mark.parametrize("imported", ["opus"], indirect=True)
+
+
+@OPUS_ONLY
+def test_opus_tokenizer_equals_marian_tokenizer(imported: Imported, runtime: ModelRuntime) -> None:
+    """The served tokenizer encodes sources by source.spm and target texts by target.spm as
+    MarianTokenizer does (pieces through vocab.json, unk for the others), and decodes as its
+    `decode(skip_special_tokens=True)` with the target model."""
+    reference, ours = marian_tokenizer(imported.folder), runtime.tokenizer
+    assert isinstance(ours, VocabTokenizer)
+    texts = [*imported.texts, "", "die katze lief zum hund", "der Hut?", "the  matte"]
+    assert [[*ours.encode(t), ours.eos_id] for t in texts] == reference(texts).input_ids
+    assert [[*ids, ours.eos_id] for ids in ours.encode_batch(texts)] == reference(texts).input_ids
+    targets = reference(text_target=texts).input_ids
+    assert [[*ours.encode_target(t), ours.eos_id] for t in texts] == targets
+    assert [[*ids, ours.eos_id] for ids in ours.encode_target_batch(texts)] == targets
+    assert targets != reference(texts).input_ids  # the two models tokenize some texts differently
+    assert ours.unk_id in [i for ids in targets for i in ids]
+
+    rng = random.Random(0)  # any ids: specials, the language code, pieces of either model
+    sequences = [*targets, *[[rng.randrange(ours.vocab_size) for _ in range(rng.randrange(12))] for _ in range(200)]]
+    assert [ours.decode(ids) for ids in sequences] == reference.batch_decode(
+        sequences, skip_special_tokens=True, use_source_tokenizer=False)
+    assert [ours.pieces(ids) for ids in sequences] == [reference.convert_ids_to_tokens(ids) for ids in sequences]
+
+
+@OPUS_ONLY
+def test_opus_offsets_span_the_pieces(imported: Imported, runtime: ModelRuntime) -> None:
+    """Source and target offsets give each piece its characters; decoding's spans cover the
+    decoded text in order, a dropped special piece spanning nothing."""
+    tokenizer = runtime.tokenizer
+    specials = {tokenizer.pad_id, tokenizer.eos_id, tokenizer.unk_id}
+    for text in [*OPUS_TEXTS, "die katze lief", "der Hut?"]:
+        for encode, encode_with_offsets in [(tokenizer.encode, tokenizer.encode_with_offsets),
+                                            (tokenizer.encode_target, tokenizer.encode_target_with_offsets)]:
+            ids, spans = encode_with_offsets(text)
+            assert ids == encode(text)
+            for piece, i, (start, end) in zip(tokenizer.pieces(ids), ids, spans, strict=True):
+                if i != tokenizer.unk_id:
+                    assert text[start:end].lstrip(" ") == piece.lstrip("\u2581"), (text, piece)
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(12))]
+        text, spans = tokenizer.decode_with_offsets(ids)
+        assert text == tokenizer.decode(ids)
+        assert "".join(text[start:end] for start, end in spans) == text
+        for piece, i, (start, end) in zip(tokenizer.pieces(ids), ids, spans, strict=True):
+            if i in specials:
+                assert start == end
+            else:
+                assert text[start:end].strip() == piece.replace("\u2581", " ").strip(), (ids, piece)
+
+
+@OPUS_ONLY
+async def test_opus_target_side_over_http(imported: Imported) -> None:
+    """`/v1/attention` labels a given target with target.spm's pieces and returns transformers'
+    maps of it; `target_prefix` is tokenized by target.spm, and the output is transformers'
+    generation forced through those tokens, decoded by MarianTokenizer."""
+    from service.api.app import create_app
+    from tests.service.conftest import serving, tiny_settings
+
+    reference, model = marian_tokenizer(imported.folder), imported.model
+    source, target, prefix = "the cat sat on a mat", "die katze lief", "die katze"
+    source_ids, target_ids = reference(source).input_ids, reference(text_target=target).input_ids[:-1]
+    prefix_ids = reference(text_target=prefix).input_ids[:-1]
+    assert prefix_ids != reference(prefix).input_ids[:-1]  # a source tokenization would differ
+    start = model.config.decoder_start_token_id
+    with torch.no_grad():
+        maps = model(input_ids=torch.tensor([source_ids]), decoder_input_ids=torch.tensor([[start, *target_ids]]),
+                     output_attentions=True, return_dict=True)
+        settings = transformers.GenerationConfig(
+            num_beams=1, do_sample=False, max_new_tokens=MAX_NEW_TOKENS - len(prefix_ids), decoder_start_token_id=start,
+            pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id)
+        forced = model.generate(torch.tensor([source_ids]), decoder_input_ids=torch.tensor([[start, *prefix_ids]]),
+                                generation_config=settings)
+    expected_text = reference.decode(forced[0, 1:], skip_special_tokens=True, use_source_tokenizer=False)
+
+    async with serving(create_app(tiny_settings(imported.repository.parent))) as client:
+        attention = await client.post("/v1/attention", json={"source": source, "target": target, "kinds": ["cross"],
+                                                              "decimals": 6})
+        prefixed = await client.post("/v1/translate", json={"texts": [source], "target_prefix": prefix,
+                                                            "max_new_tokens": MAX_NEW_TOKENS})
+    assert attention.status_code == 200, attention.text
+    body = attention.json()
+    assert [t["piece"] for t in body["source_tokens"]] == reference.convert_ids_to_tokens(source_ids)
+    assert [t["piece"] for t in body["target_tokens"]] == reference.convert_ids_to_tokens([*target_ids, reference.eos_token_id])
+    for text, tokens in [(source, body["source_tokens"]), (target, body["target_tokens"])]:
+        assert [text[t["start"]:t["end"]].lstrip(" ") for t in tokens[:-1]] == [
+            t["piece"].lstrip("\u2581") for t in tokens[:-1]]
+    for ours, theirs in zip(body["attention"]["cross"], maps.cross_attentions, strict=True):
+        np.testing.assert_allclose(np.asarray(ours), theirs[0].numpy(), atol=1e-5)
+    assert prefixed.status_code == 200, prefixed.text
+    [output] = prefixed.json()["outputs"]
+    assert output["text"] == expected_text
+    assert output["text"].startswith(prefix)
+
+
 def test_refuses_a_tokenizer_with_other_ids(imported: Imported, tmp_path: Path) -> None:
-    """Marian: a vocab.json mapping pieces to other ids; BART: the Hub's byte-level BPE files
-    without a SentencePiece model."""
+    """Marian: a vocab.json whose pad and eos are not the model's; OPUS: a separate target
+    vocabulary; BART: the Hub's byte-level BPE files without a SentencePiece model."""
     folder = tmp_path / "hf"
     shutil.copytree(imported.folder, folder)
     if imported.architecture == "marian":
         vocab = json.loads((folder / "vocab.json").read_text())
         vocab["<pad>"], vocab["</s>"] = vocab["</s>"], vocab["<pad>"]
         (folder / "vocab.json").write_text(json.dumps(vocab))
-        reason = "vocab.json"
+        reason = "vocab.json's pad/eos ids"
+    elif imported.architecture == "opus":
+        shutil.copyfile(folder / "vocab.json", folder / "target_vocab.json")
+        reason = "separate source and target vocabularies"
     else:
         (folder / BART_SPM).unlink()
         (folder / "vocab.json").write_text(json.dumps({"<s>": 0, "<pad>": 1, "</s>": 2, "Ġa": 3}))
