@@ -43,6 +43,8 @@ SUBCOMMANDS = (
                "export.commands", ("train", "serve")),
     Subcommand("check-parity", "check a model repository's ONNX graphs against its PyTorch weights",
                "export.commands", ("train", "serve")),
+    Subcommand("add-step-graph", "give a model repository's fp16 variant the step graph it lacks",
+               "export.commands", ("train", "serve")),
     Subcommand("serve", "serve the models of a model repository over HTTP", "service.process.commands", ("serve",)),
     Subcommand("bench", "benchmark the service against in-process ONNX, naive PyTorch and CTranslate2",
                "bench.commands", ("serve", "train", "bench")),

@@ -1,4 +1,4 @@
-"""Subcommands of `attnserve` provided by `export/`: export, import-hf, check-parity."""
+"""Subcommands of `attnserve` provided by `export/`: export, import-hf, check-parity, add-step-graph."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_export(subcommands)
     _register_import_hf(subcommands)
     _register_check_parity(subcommands)
+    _register_add_step_graph(subcommands)
 
 
 def _register_export(subcommands: argparse._SubParsersAction) -> None:
@@ -211,4 +212,50 @@ def _check_parity(args: argparse.Namespace) -> int:
         logger.error("parity check failed: %s", error)
         return 1
     print(json.dumps(report.to_dict(), indent=2))
+    return 0
+
+
+def _register_add_step_graph(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser(
+        "add-step-graph", help="give a model repository's fp16 variant the step graph it lacks",
+        description="Convert the repository's fp32 step graph (decoder_step.onnx) to the fp16 variant's "
+        "decoder_step.fp16.onnx (float16 caches, for CUDA's GroupQueryAttention), its weights shared with "
+        "weights.bin; check that it decodes the fp32 step graph's greedy tokens on most rows (CPU) and record "
+        "it in the manifest. Every other file stays as it is; on failure the repository is left unchanged.",
+    )
+    p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
+    p.add_argument("--data-dir", default=None, help="check on the task's first test sources instead of synthetic ones")
+    p.add_argument("--rows", type=int, default=64, help="test sources checked with --data-dir (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-size-mb", type=float, default=60.0, help="size budget of the repository; 0 = none")
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime threads (0: default)")
+    p.set_defaults(func=_add_step_graph)
+
+
+def _add_step_graph(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from export.parity import StepDisagreement
+    from export.repository import add_step_graph
+    from service.repository.manifest import ManifestError, read_manifest
+
+    sources = None
+    if args.data_dir:
+        manifest = read_manifest(args.model_dir)
+        sources = _test_sources(args.data_dir, str(Path(args.model_dir) / manifest.tokenizer),
+                                manifest.max_source_len, count=args.rows)
+    try:
+        manifest = add_step_graph(args.model_dir, "fp16", sources=sources,
+                                  sources_label=f"test split, first {len(sources)} rows" if sources else "synthetic",
+                                  max_new_tokens=args.max_new_tokens, max_size_mb=args.max_size_mb or None,
+                                  threads=args.threads)
+    except (ManifestError, ValueError) as error:
+        logger.error("cannot add a step graph to %s: %s", args.model_dir, error)
+        return 2
+    except StepDisagreement as error:
+        logger.error("the new step graph disagrees: %s", error)
+        return 1
+    print(json.dumps({"model": manifest.name, "step_decoder": manifest.variants["fp16"].step_decoder,
+                      "size_mb": manifest.exporter.get("size_mb"),
+                      "step_graph_agreement": manifest.exporter["step_graph_agreement"]["fp16"]}, indent=2))
     return 0

@@ -13,6 +13,9 @@ For a batch of one source and a batch of several sources of mixed lengths (right
    batch on it (`service.batching.slot_batch.SlotBatch`) gives PyTorch's tokens.
 A difference beyond the tolerances raises a `ParityError` naming the output, the case and
 the size of the difference.
+
+The step graph of a reduced-precision variant (fp16, int8) computes other numbers: `step_agreement`
+compares its greedy tokens in a running batch with the fp32 step graph's, row by row.
 """
 
 from __future__ import annotations
@@ -39,10 +42,18 @@ log = logging.getLogger(__name__)
 LOGITS_ATOL = 1e-3  # logits are O(10)
 ATTENTION_ATOL = 1e-4  # probabilities in [0, 1]
 KEY_VALUE_ATOL = 1e-4  # keys/values are O(1)
+# A reduced-precision variant's step graph decodes the fp32 step graph's tokens on at least this
+# share of rows: its arithmetic may move a close call, and a row differs from that step on; a
+# graph converted wrongly differs on (nearly) every row.
+MIN_STEP_AGREEMENT = 0.5
 
 
 class ParityError(AssertionError):
     """onnxruntime and PyTorch disagree."""
+
+
+class StepDisagreement(ParityError):
+    """A variant's step graph decodes other tokens than the fp32 step graph on too many rows."""
 
 
 class OutputMismatch(ParityError):
@@ -202,6 +213,44 @@ def _check_step_graph(runtime: ModelRuntime, state: EncoderState, target_np: np.
         if (e.tokens, e.finish_reason) != (a.tokens, a.finish_reason):
             raise TokenMismatch(f"{compare.case}, step graph", row, (e.tokens, e.finish_reason),
                                 (a.tokens, a.finish_reason))
+
+
+def slot_batch_decode(runtime: ModelRuntime, sources: list[list[int]], max_new_tokens: int,
+                      group: int = 32) -> list[tuple[list[int], str]]:
+    """Greedy (tokens, finish reason) of each source on the runtime's step graph, in running
+    batches (`SlotBatch`, slots where the runtime keeps them) of `group` sources of similar length."""
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    decoded: dict[int, tuple[list[int], str]] = {}
+    for start in range(0, len(order), group):
+        rows = order[start:start + group]
+        running: SlotBatch[int] = SlotBatch(runtime)
+        running.concatenate([sources[i] for i in rows], rows, [max_new_tokens] * len(rows))
+        while len(running):
+            decoded.update((i, (r.tokens, r.finish_reason)) for i, r in running.generate_token())
+    return [decoded[i] for i in range(len(sources))]
+
+
+def step_agreement(reference: ModelRuntime, runtime: ModelRuntime, sources: list[list[int]],
+                   max_new_tokens: int, sources_label: str = "") -> dict[str, Any]:
+    """How many `sources` the step graph of `runtime` decodes (greedy, in running batches) to the
+    tokens and finish reason of `reference`'s step graph (the fp32 variant's, which `check_parity`
+    holds to PyTorch's tokens); raises a `StepDisagreement` below `MIN_STEP_AGREEMENT` of the rows.
+    The report names the sources by `sources_label` when given."""
+    if reference.step is None or runtime.step is None:
+        raise ValueError("both runtimes need a step graph")
+    expected = slot_batch_decode(reference, sources, max_new_tokens)
+    actual = slot_batch_decode(runtime, sources, max_new_tokens)
+    identical = sum(e == a for e, a in zip(expected, actual, strict=True))
+    report: dict[str, Any] = {"reference": f"{reference.variant} step graph"}
+    if sources_label:
+        report["sources"] = sources_label
+    report.update(rows=len(sources), rows_identical=identical, max_new_tokens=max_new_tokens,
+                  provider=runtime.provider)
+    log.info("%s step graph against %s: %s", runtime.variant, reference.variant, report)
+    if identical < MIN_STEP_AGREEMENT * len(sources):
+        raise StepDisagreement(f"the {runtime.variant} step graph decodes the {reference.variant} step graph's tokens "
+                               f"on {identical} of {len(sources)} rows (fewer than {MIN_STEP_AGREEMENT:.0%})")
+    return report
 
 
 def parity_sources(vocab_size: int, eos_id: int, lengths: tuple[int, ...] = (9, 3, 14, 6), seed: int = 0) -> list[list[int]]:

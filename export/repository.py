@@ -18,16 +18,25 @@ import onnx
 import torch
 
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
-from export.parity import check_parity, parity_sources
+from export.parity import check_parity, parity_sources, step_agreement
 from export.quality import MAX_DROP, measure_quality, within_bound
 from export.step_graph import STEP_DECODER_FILE, export_step_graph
-from export.storage import save_graphs
-from export.variants import PRECISIONS, convert
+from export.storage import WEIGHTS_FILE as GRAPH_WEIGHTS_FILE
+from export.storage import add_graphs, load_graph, save_graphs
+from export.variants import PRECISIONS, convert, convert_step
 from model.checkpoint import WEIGHTS_FILE, load_model, save_weights
 from model.tokenizer import Tokenizer, VocabFiles, VocabTokenizer, load_tokenizer
 from model.transformer import Transformer
 from service.repository import graph_io
-from service.repository.manifest import Manifest, Variant, repository_files, write_manifest
+from service.repository.manifest import (
+    MANIFEST_FILE,
+    Manifest,
+    Variant,
+    read_manifest,
+    repository_files,
+    verify_files,
+    write_manifest,
+)
 from service.runtime import CPU, CUDA, ModelRuntime
 
 log = logging.getLogger(__name__)
@@ -42,10 +51,10 @@ PROVIDERS = {"fp32": [CUDA, CPU], "int8": [CPU], "fp16": [CUDA]}
 # bfloat16: the fp32 graphs cast them to float32 and the fp16 graphs to float16 when a session
 # is built, so fp16 costs only its graph files.
 SHARED_WEIGHTS = ("fp32", "fp16")
-# Variants that get the decoder step graph (`export.step_graph`): the CPU's. Its cache buffers
-# are host memory written in place; fp16 runs on CUDA, where they would have to live on the
-# device (not written), so its running batch keeps the merged decoder.
-STEP_PRECISIONS = ("fp32", "int8")
+# Variants that get the decoder step graph (`export.step_graph`): all. fp16's keeps float16
+# caches in its inputs and outputs (`export.variants.convert_step`), the type onnxruntime's CUDA
+# GroupQueryAttention takes.
+STEP_PRECISIONS = ("fp32", "int8", "fp16")
 
 
 def variant_file(file: str, precision: str) -> str:
@@ -163,8 +172,8 @@ def _build(
     entries: dict[str, Variant] = {}
     root: dict[str, onnx.ModelProto] = {}  # fp32 and fp16 graphs: one weights.bin, bfloat16 numbers
     for precision in variants:
-        converted = {file: convert(graph, precision) for file, graph in graphs.items()
-                     if file != STEP_DECODER_FILE or precision in STEP_PRECISIONS}
+        converted = {file: (convert_step if file == STEP_DECODER_FILE else convert)(graph, precision)
+                     for file, graph in graphs.items() if file != STEP_DECODER_FILE or precision in STEP_PRECISIONS}
         names = {file: variant_file(file, precision) for file in converted}
         if precision in SHARED_WEIGHTS:
             root.update({names[file]: graph for file, graph in converted.items()})
@@ -195,6 +204,12 @@ def _build(
     sources = sources or parity_sources(config.vocab_size, config.eos_id)
     report = check_parity(load_model(staging), runtime, sources, max_new_tokens=min(32, config.max_target_len))
     manifest.exporter["parity"] = report.to_dict()
+    # ... and the other variants' step graphs' tokens with the fp32 step graph's
+    for precision, entry in entries.items():
+        if precision != "fp32" and entry.step_decoder:
+            variant_runtime = ModelRuntime.load(staging, [CPU], threads=threads, variant=precision, step_graph=True)
+            manifest.exporter.setdefault("step_graph_agreement", {})[precision] = step_agreement(
+                runtime, variant_runtime, sources, min(32, config.max_target_len), "the parity check's")
 
     # 3. quality of every variant through onnxruntime
     if data_dir is not None:
@@ -237,6 +252,7 @@ def _fit(directory: Path, manifest: Manifest, max_size_mb: float) -> None:
                 file.unlink()
             if (directory / precision).is_dir():
                 (directory / precision).rmdir()
+            manifest.exporter.get("step_graph_agreement", {}).pop(precision, None)
             log.warning("%s: %.1f MB > %.0f MB, dropped the %s variant (%.1f MB)",
                         manifest.name, size, max_size_mb, precision, variant_mb)
             manifest.exporter.setdefault("dropped_variants", {})[precision] = {
@@ -246,6 +262,65 @@ def _fit(directory: Path, manifest: Manifest, max_size_mb: float) -> None:
     size = _size_mb(directory)
     if size > max_size_mb:
         raise RepositoryTooLarge(f"{directory}: {size:.1f} MB with fp32 only, over {max_size_mb:g} MB")
+
+
+def add_step_graph(
+    directory: str | Path, precision: str = "fp16", *, sources: list[list[int]] | None = None,
+    sources_label: str = "synthetic", max_new_tokens: int = 32, max_size_mb: float | None = MAX_SIZE_MB,
+    threads: int = 0,
+) -> Manifest:
+    """Give the `precision` variant of the repository `directory` the step graph it lacks, as an
+    export makes it, and leave every other file as it is: the fp32 step graph converted
+    (`convert_step`) and stored beside it, its weights read from the shared `weights.bin` (only a
+    weight not found there is appended); its greedy tokens checked against the fp32 step graph's
+    on `sources` (synthetic by default; `step_agreement`, naming them `sources_label`); the
+    manifest then names it as the variant's `step_decoder`, records the agreement and lists the
+    new file's sha256. Only a
+    variant whose graphs share the root weights (`SHARED_WEIGHTS`, not fp32) can be given one.
+    On any failure (a disagreeing graph, a repository over `max_size_mb`) the repository is left
+    as it was. Returns the new manifest."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest)
+    if precision == "fp32" or precision not in SHARED_WEIGHTS:
+        raise ValueError(f"only a variant whose graphs share the fp32 weights can be given a step graph here, "
+                         f"not {precision!r}")
+    variant, fp32 = manifest.variant(precision), manifest.variant("fp32")
+    if variant.step_decoder:
+        raise ValueError(f"{directory}: the {precision} variant has a step graph already ({variant.step_decoder})")
+    if not fp32.step_decoder:
+        raise ValueError(f"{directory}: no fp32 step graph to convert (re-export the repository)")
+    name = variant_file(STEP_DECODER_FILE, precision)
+    manifest_text = (directory / MANIFEST_FILE).read_bytes()
+    weights = directory / GRAPH_WEIGHTS_FILE
+    weights_size = weights.stat().st_size
+    graph = load_graph(directory / fp32.step_decoder)
+    try:
+        add_graphs(directory, {name: convert_step(graph, precision)}, bfloat16_weights=True,
+                   converted_from={name: graph})
+        variant.step_decoder = name
+        write_manifest(directory, manifest)
+        reference = ModelRuntime.load(directory, [CPU], threads=threads, variant="fp32")
+        runtime = ModelRuntime.load(directory, [CPU], threads=threads, variant=precision, step_graph=True)
+        config = manifest.config
+        if sources is None:
+            sources, sources_label = parity_sources(config.vocab_size, config.eos_id), "synthetic"
+        manifest.exporter.setdefault("step_graph_agreement", {})[precision] = step_agreement(
+            reference, runtime, sources, min(max_new_tokens, config.max_target_len), sources_label)
+        size = _size_mb(directory)
+        if max_size_mb is not None and size > max_size_mb:
+            raise RepositoryTooLarge(f"{directory}: {size:.1f} MB with the {precision} step graph, "
+                                     f"over {max_size_mb:g} MB")
+        manifest.exporter["size_mb"] = round(size, 1)
+        write_manifest(directory, manifest)
+    except BaseException:
+        (directory / name).unlink(missing_ok=True)
+        with weights.open("r+b") as file:
+            file.truncate(weights_size)
+        (directory / MANIFEST_FILE).write_bytes(manifest_text)
+        raise
+    log.info("%s: added %s (%d bytes)", directory, name, (directory / name).stat().st_size)
+    return manifest
 
 
 def _exporter_info() -> dict[str, Any]:

@@ -131,29 +131,32 @@ def strip_build_metadata(graph: onnx.ModelProto) -> onnx.ModelProto:
     return graph
 
 
-def save_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto], bfloat16_weights: bool = False,
-                converted_from: Mapping[str, str] | None = None) -> list[Path]:
-    """Save {file name: graph} into `directory` with one `weights.bin`; returns the files written.
-    Stack traces of the export (`BUILD_MACHINE_METADATA`) are not saved. With
-    `bfloat16_weights` the large float32 weights are stored as bfloat16 (`store_as_bfloat16`);
-    `converted_from` names, for a float16 graph, the float32 graph of `graphs` it was converted
-    from, whose weights it then shares. The graphs passed in are left as they are (copies are
-    rewritten)."""
-    directory = Path(directory)
+def _prepared(graphs: Mapping[str, onnx.ModelProto], bfloat16_weights: bool,
+              sources: Mapping[str, Mapping[str, np.ndarray]]) -> dict[str, onnx.ModelProto]:
+    """Copies of `graphs` without `BUILD_MACHINE_METADATA`, their large float weights stored as
+    bfloat16 with `bfloat16_weights` (`store_as_bfloat16`, a graph's float32 sources from
+    `sources` under its name)."""
     copies = {}
     for name, graph in graphs.items():
         copies[name] = onnx.ModelProto()
         copies[name].CopyFrom(graph)
-    graphs = {name: strip_build_metadata(graph) for name, graph in copies.items()}
+    prepared = {name: strip_build_metadata(graph) for name, graph in copies.items()}
     if bfloat16_weights:
-        sources = {name: {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer
-                          if t.data_type == onnx.TensorProto.FLOAT} for name, graph in graphs.items()}
-        converted_from = converted_from or {}
-        graphs = {name: store_as_bfloat16(graph, sources.get(converted_from.get(name, ""), {}))
-                  for name, graph in graphs.items()}
-    directory.mkdir(parents=True, exist_ok=True)
-    blob = bytearray()
-    stored: dict[tuple[int, tuple[int, ...], str], tuple[int, int]] = {}  # key -> (offset, length)
+        prepared = {name: store_as_bfloat16(graph, sources.get(name, {})) for name, graph in prepared.items()}
+    return prepared
+
+
+def _float32_weights(graph: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+
+
+_Stored = dict[tuple[int, tuple[int, ...], str], tuple[int, int]]  # (type, dims, sha256) -> (offset, length)
+
+
+def _externalize(graphs: Mapping[str, onnx.ModelProto], blob: bytearray, stored: _Stored) -> None:
+    """Move every initializer of at least `MIN_EXTERNAL_BYTES` into `blob` (in place), once per
+    content: a tensor whose type, dims and bytes are in `stored` refers to those bytes, another
+    is appended (at a multiple of `ALIGNMENT`) and added to `stored`."""
     for graph in graphs.values():
         for tensor in graph.graph.initializer:
             if tensor.data_type == onnx.TensorProto.STRING:
@@ -173,16 +176,82 @@ def save_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto], bfloa
             for name, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
                 entry = tensor.external_data.add()
                 entry.key, entry.value = name, value
+
+
+def _save(directory: Path, graphs: Mapping[str, onnx.ModelProto]) -> list[Path]:
     written = []
-    if blob:
-        (directory / WEIGHTS_FILE).write_bytes(bytes(blob))
-        written.append(directory / WEIGHTS_FILE)
     for name, graph in graphs.items():
         path = directory / name
         onnx.save_model(graph, str(path))
         onnx.checker.check_model(str(path))
         written.append(path)
     return written
+
+
+def save_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto], bfloat16_weights: bool = False,
+                converted_from: Mapping[str, str] | None = None) -> list[Path]:
+    """Save {file name: graph} into `directory` with one `weights.bin`; returns the files written.
+    Stack traces of the export (`BUILD_MACHINE_METADATA`) are not saved. With
+    `bfloat16_weights` the large float32 weights are stored as bfloat16 (`store_as_bfloat16`);
+    `converted_from` names, for a float16 graph, the float32 graph of `graphs` it was converted
+    from, whose weights it then shares. The graphs passed in are left as they are (copies are
+    rewritten)."""
+    directory = Path(directory)
+    converted_from = converted_from or {}
+    sources = {name: _float32_weights(graphs[converted_from[name]]) for name in graphs
+               if converted_from.get(name) in graphs}
+    prepared = _prepared(graphs, bfloat16_weights, sources)
+    directory.mkdir(parents=True, exist_ok=True)
+    blob = bytearray()
+    _externalize(prepared, blob, {})
+    written = []
+    if blob:
+        (directory / WEIGHTS_FILE).write_bytes(bytes(blob))
+        written.append(directory / WEIGHTS_FILE)
+    return written + _save(directory, prepared)
+
+
+def stored_weights(directory: str | Path) -> _Stored:
+    """What the graphs in `directory` (its *.onnx files) keep in its `weights.bin`: (element type,
+    dims, sha256 of the bytes) -> (offset, length), as `_externalize` indexes it."""
+    directory = Path(directory)
+    blob = (directory / WEIGHTS_FILE).read_bytes() if (directory / WEIGHTS_FILE).exists() else b""
+    stored: _Stored = {}
+    for path in sorted(directory.glob("*.onnx")):
+        graph = onnx.load_model(str(path), load_external_data=False)
+        for tensor in graph.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            entries = {e.key: e.value for e in tensor.external_data}
+            if entries.get("location") != WEIGHTS_FILE:
+                continue
+            offset, length = int(entries["offset"]), int(entries["length"])
+            key = (tensor.data_type, tuple(tensor.dims), hashlib.sha256(blob[offset:offset + length]).hexdigest())
+            stored.setdefault(key, (offset, length))
+    return stored
+
+
+def add_graphs(directory: str | Path, graphs: dict[str, onnx.ModelProto], bfloat16_weights: bool = False,
+               converted_from: Mapping[str, onnx.ModelProto] | None = None) -> list[Path]:
+    """Save {file name: graph} into `directory` beside the graphs already there, sharing their
+    `weights.bin`: a weight whose bytes it holds is read from there, another is appended to it
+    (the other graphs' offsets stay valid; the file is not rewritten when nothing is added).
+    `bfloat16_weights` and `converted_from` (for a float16 graph, the float32 graph it was
+    converted from) as in `save_graphs`. Returns the files written."""
+    directory = Path(directory)
+    converted_from = converted_from or {}
+    sources = {name: _float32_weights(converted_from[name]) for name in graphs if name in converted_from}
+    prepared = _prepared(graphs, bfloat16_weights, sources)
+    path = directory / WEIGHTS_FILE
+    blob = bytearray(path.read_bytes()) if path.exists() else bytearray()
+    size = len(blob)
+    _externalize(prepared, blob, stored_weights(directory))
+    written = []
+    if len(blob) != size:
+        with path.open("ab") as file:
+            file.write(bytes(blob[size:]))
+        written.append(path)
+    return written + _save(directory, prepared)
 
 
 def load_graph(path: str | Path) -> onnx.ModelProto:

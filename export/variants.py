@@ -3,6 +3,11 @@
 - fp16: for the CUDA execution provider. onnxruntime's own converter (bundled with the
   onnxruntime wheel, so no onnxconverter-common dependency) with `keep_io_types=True`: graph
   inputs and outputs stay float32, so callers feed and read the same arrays as with fp32.
+  The step graph (`export.step_graph`) is the exception (`convert_step`): its caches and cross
+  keys/values are float16 in its inputs and outputs too. They are its slot buffers, past and
+  present bound to one buffer and written in place, and onnxruntime's CUDA GroupQueryAttention
+  takes float16 caches only; a float32 cache would be cast to a float16 copy at every step and
+  could not be written in place. Its logits stay float32, as every graph's do.
 - int8: for CPU. onnxruntime dynamic quantization: int8 weights (per output channel) for
   MatMul and Gather, activations quantized on the fly; inputs and outputs stay float32.
   A MatMul whose weight is a transposed initializer (the output projection tied to the
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
@@ -23,15 +29,19 @@ from onnx import numpy_helper
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "int8", "fp16")
+# The float graph inputs/outputs the step graph's fp16 form keeps in float32 (`convert_step`).
+STEP_FLOAT32_IO = ("logits",)
 
 
-def to_fp16(graph: onnx.ModelProto) -> onnx.ModelProto:
-    """fp16 weights and arithmetic; float32 graph inputs and outputs."""
+def to_fp16(graph: onnx.ModelProto, keep_io_types: bool | Sequence[str] = True) -> onnx.ModelProto:
+    """fp16 weights and arithmetic; float32 graph inputs and outputs (`keep_io_types` True), or
+    only those named in `keep_io_types` (the other float ones become float16)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     copy = onnx.ModelProto()
     copy.CopyFrom(graph)
-    converted: onnx.ModelProto = convert_float_to_float16(copy, keep_io_types=True)
+    keep = keep_io_types if isinstance(keep_io_types, bool) else list(keep_io_types)
+    converted: onnx.ModelProto = convert_float_to_float16(copy, keep_io_types=keep)
     _sort_nodes(converted.graph)  # the converter appends the input Casts after their users
     return converted
 
@@ -109,3 +119,11 @@ def convert(graph: onnx.ModelProto, precision: str) -> onnx.ModelProto:
     if precision == "int8":
         return to_int8(graph)
     raise ValueError(f"unknown precision {precision!r} (one of {PRECISIONS})")
+
+
+def convert_step(graph: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    """The step graph in `precision`: as `convert`, but fp16 with float16 caches and cross
+    keys/values in its inputs and outputs (only `STEP_FLOAT32_IO` stays float32)."""
+    if precision == "fp16":
+        return to_fp16(graph, keep_io_types=STEP_FLOAT32_IO)
+    return convert(graph, precision)

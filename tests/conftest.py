@@ -92,20 +92,43 @@ def tiny_model_repository(trained_tiny: TrainedTiny, tiny_tokenizer: Path,
     checked, quality measured on 40 rows), like models/<name>. The model reverses the pieces of
     its input: "abc de" -> "ed cba" (for sources of 3-8 pieces). Do not modify it: copy it."""
     from export.repository import write_repository
-    from model.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("tiny-repository")
-    tokenizer = Tokenizer.from_file(tiny_tokenizer)
+    data_dir, rows = _tiny_test_split(root / "data", tiny_tokenizer)
+    out = root / "tiny-reverse"
+    write_repository(trained_tiny.load(), tiny_tokenizer, out, task="translate", source_language="en",
+                     target_language="en", variants=("fp32", "int8"), data_dir=data_dir,
+                     quality_rows=rows, threads=1)
+    return out
+
+
+def _tiny_test_split(data_dir: Path, tokenizer_path: Path) -> tuple[Path, int]:
+    """A test split of 40 reversal rows (sources of 3-8 pieces) in `data_dir`; returns it and its rows."""
+    from model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
     texts = [t for t in _tiny_texts(200, seed=1) if 3 <= len(tokenizer.encode(t)) <= 8][:40]
-    data_dir = root / "data"
     data_dir.mkdir()
     (data_dir / "test.src").write_text("\n".join(texts) + "\n", encoding="utf-8")
     reversed_texts = [tokenizer.decode(tokenizer.encode(t)[::-1]).strip() for t in texts]
     (data_dir / "test.tgt").write_text("\n".join(reversed_texts) + "\n", encoding="utf-8")
-    out = root / "tiny-reverse"
+    return data_dir, len(texts)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp16_repository(trained_tiny: TrainedTiny, tiny_tokenizer: Path,
+                         tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`trained_tiny` exported with the fp32 and fp16 variants (each with its step graph; quality
+    measured on the 40 rows of `tiny_model_repository`'s test split), like models/<name> with
+    the variants CUDA serves. Do not modify it: copy it."""
+    from export.repository import write_repository
+
+    root = tmp_path_factory.mktemp("tiny-fp16-repository")
+    data_dir, rows = _tiny_test_split(root / "data", tiny_tokenizer)
+    out = root / "tiny-reverse-fp16"
     write_repository(trained_tiny.load(), tiny_tokenizer, out, task="translate", source_language="en",
-                     target_language="en", variants=("fp32", "int8"), data_dir=data_dir,
-                     quality_rows=len(texts), threads=1)
+                     target_language="en", variants=("fp32", "fp16"), data_dir=data_dir, quality_rows=rows,
+                     threads=1)
     return out
 
 

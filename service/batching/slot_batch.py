@@ -40,7 +40,7 @@ import onnxruntime as ort
 from service.batching.in_flight import Member, Owner, advance, choose, encode_newcomers
 from service.generation.hooks import RowHooks
 from service.generation.search import GenerationResult
-from service.runtime.device_slots import DeviceSlots, slot_graphs, step_element_types
+from service.runtime.device_slots import DeviceSlots, slot_graphs, step_dtypes, step_element_types
 from service.runtime.protocol import Runtime
 from service.runtime.step_buffers import HostSlots
 from service.runtime.tensors import Tensor
@@ -116,7 +116,8 @@ class SlotBatch(Generic[Owner]):
         if on_device is None:
             on_device = slots_on_device(runtime)
         self._slots: Slots = (_device_slots(runtime, rows, capacity) if on_device else
-                              HostSlots(runtime.n_decoder_layers, rows, runtime.n_heads, capacity, runtime.head_dim))
+                              HostSlots(runtime.n_decoder_layers, rows, runtime.n_heads, capacity, runtime.head_dim,
+                                        0, *step_dtypes(runtime.step)))
         self._source_mask = np.zeros((rows, 0), dtype=bool)  # (slots, S) True on real source tokens
         self._positions = np.zeros(rows, dtype=np.int64)  # (slots,) each row's cached length
         self._last = np.zeros(rows, dtype=np.int64)  # (slots,) each row's next input token

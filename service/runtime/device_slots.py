@@ -61,6 +61,12 @@ def step_element_types(step: ort.InferenceSession) -> tuple[int, int]:
     return _ELEMENT_TYPES[types["past_key.0"]], _ELEMENT_TYPES[types["cross_key.0"]]
 
 
+def step_dtypes(step: ort.InferenceSession) -> tuple[type, type]:
+    """The numpy types of the step graph's cache and cross keys/values (`step_element_types`)."""
+    cache_type, cross_type = step_element_types(step)
+    return onnx_proto.NUMPY_TYPES[cache_type].type, onnx_proto.NUMPY_TYPES[cross_type].type
+
+
 class SlotGraphs:
     """The tiny graphs `DeviceSlots` runs, as sessions of one execution provider on one device:
     built on first use, one per graph, and shared by every batch on that device (sessions run

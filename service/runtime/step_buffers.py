@@ -83,12 +83,15 @@ class HostSlots:
     """The slot buffers of a `SlotBatch` in host memory: the cache (`CacheBuffers`) and, per
     decoder layer, the cross keys/values (rows, h, width, d) as numpy arrays; slot b's source
     in cross columns 0..its source length-1 (zeros after). The interface `SlotBatch` uses, as
-    `device_slots.DeviceSlots` offers it on a device."""
+    `device_slots.DeviceSlots` offers it on a device. The cache is of `cache_dtype` and the cross
+    keys/values of `cross_dtype` (the step graph's input types); newcomers' cross keys/values of
+    another float type are cast as they are written."""
 
-    def __init__(self, layers: int, rows: int, heads: int, capacity: int, head_dim: int, width: int = 0) -> None:
-        self.buffers = CacheBuffers(layers, rows, heads, capacity, head_dim)
+    def __init__(self, layers: int, rows: int, heads: int, capacity: int, head_dim: int, width: int = 0,
+                 cache_dtype: type = np.float32, cross_dtype: type = np.float32) -> None:
+        self.buffers = CacheBuffers(layers, rows, heads, capacity, head_dim, cache_dtype)
         # cross_key.0, cross_value.0, ...: (slots, h, S, d); the padding past a row's source is masked
-        self.cross = [np.zeros((rows, heads, width, head_dim), dtype=np.float32) for _ in range(2 * layers)]
+        self.cross: list[np.ndarray] = [np.zeros((rows, heads, width, head_dim), dtype=cross_dtype) for _ in range(2 * layers)]
 
     @property
     def rows(self) -> int:

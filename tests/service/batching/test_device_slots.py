@@ -14,6 +14,7 @@ import pytest
 
 from service.batching.slot_batch import SlotBatch, slots_on_device
 from service.generation.search import GenerationResult, generate
+from service.repository.manifest import read_manifest
 from service.runtime import CPU, ModelRuntime, onnx_proto
 from service.runtime.device_slots import (
     DeviceSlots,
@@ -232,6 +233,31 @@ def test_float16_slots_hold_what_a_float16_step_graph_takes(tiny_runtime: ModelR
     assert _agreeing(results, tiny_runtime, sources, limits) >= len(sources) - 1
 
 
+def test_the_fp16_variants_step_graph_drives_device_slots_on_the_cpu(tiny_runtime: ModelRuntime,
+                                                                      tiny_fp16_repository, sources) -> None:
+    """The fp16 variant's own step graph (`decoder_step.fp16.onnx`) with its slots on the "cpu"
+    device, fed the fp16 encoder's float32 cross keys/values as OrtValues (IO binding, as on
+    CUDA): float16 slots, the tokens of host slots of the same graph through the same joins,
+    departures and resizes, and the float32 tokens on most rows."""
+    fp16 = ModelRuntime.load(tiny_fp16_repository, [CPU], threads=1, variant="fp16", step_graph=True,
+                             io_binding=True)
+    assert fp16.step is not None and fp16.device == "cpu"
+    batch: SlotBatch[int] = SlotBatch(fp16, on_device=True)
+    slots = batch._slots
+    assert isinstance(slots, DeviceSlots)
+    assert (slots.cache_type, slots.cross_type) == (onnx_proto.FLOAT16, onnx_proto.FLOAT16)
+    host_batch: SlotBatch[int] = SlotBatch(fp16, on_device=False)
+    assert host_batch._slots.cross[0].dtype == np.float16  # type: ignore[attr-defined]
+    for seed in (0, 1):
+        limits = [int(n) for n in np.random.default_rng(seed + 10).integers(1, 15, len(sources))]
+        device, device_sizes = _schedule(fp16, sources, True, seed, limits)
+        host, host_sizes = _schedule(fp16, sources, False, seed, limits)
+        assert device_sizes == host_sizes
+        assert {k: (r.tokens, r.finish_reason) for k, r in device.items()} == \
+               {k: (r.tokens, r.finish_reason) for k, r in host.items()}
+        assert _agreeing(device, tiny_runtime, sources, limits) >= len(sources) - 1
+
+
 # -- on CUDA (`make gpu-check` runs these; they skip without onnxruntime's CUDA build and a GPU) --
 
 def _cuda_available() -> bool:
@@ -312,3 +338,25 @@ def test_no_step_copies_the_cache_between_host_and_device(tiny_runtime: ModelRun
     layers = runtime.n_decoder_layers
     assert len(copies) < 2 * layers * steps, f"{len(copies)} host-device copies in {steps} steps"
     assert _agreeing(results, tiny_runtime, sources, limits) >= len(sources) - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu with CUDAExecutionProvider")
+def test_the_fp16_variant_batches_on_its_step_graph_on_cuda(tiny_runtime: ModelRuntime, tiny_fp16_repository,
+                                                             sources) -> None:
+    """CUDA prefers the fp16 variant, and serves its step graph by default (its float16 cache has
+    a CUDA attention kernel), the slots on the GPU; the rows decode the float32 tokens on most rows."""
+    from service.runtime import CUDA
+
+    cuda = ModelRuntime.load(tiny_fp16_repository, [CUDA, CPU], variant="fp16")
+    assert (cuda.provider, cuda.device, cuda.variant) == (CUDA, "cuda", "fp16")
+    assert cuda.step is not None and CUDA in cuda.step.get_providers()
+    cuda.warmup()
+    batch: SlotBatch[int] = SlotBatch(cuda)
+    assert batch.on_device and all(v.device_name() == "cuda" for v in batch._slots.cache)  # type: ignore[attr-defined]
+    limits = [12] * len(sources)
+    results, _ = _schedule(cuda, sources, True, 0, limits)
+    assert _agreeing(results, tiny_runtime, sources, limits) >= len(sources) - 1
+    if read_manifest(tiny_fp16_repository).variants["fp16"].servable:  # measured within 1 point of fp32
+        default = ModelRuntime.load(tiny_fp16_repository)
+        assert (default.provider, default.variant) == (CUDA, "fp16") and default.step is not None
