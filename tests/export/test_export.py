@@ -15,6 +15,7 @@ from export.parity import (
     ATTENTION_ATOL,
     KEY_VALUE_ATOL,
     LOGITS_ATOL,
+    MIN_STEP_AGREEMENT,
     OutputMismatch,
     ParityError,
     check_parity,
@@ -58,6 +59,10 @@ def test_repository_layout_and_manifest(tiny_model_repository: Path) -> None:
     assert int8.quality is not None and int8.servable == within_bound("translate", manifest.quality, int8.quality)
     parity = manifest.exporter["parity"]
     assert parity["max_abs_diff"]["logits"] <= LOGITS_ATOL and parity["greedy_rows_identical"] >= 2
+    # the int8 step graph's greedy tokens against the fp32 step graph's, on the parity check's sources
+    (agreement,) = manifest.exporter["step_graph_agreement"].values()
+    assert manifest.exporter["step_graph_agreement"].keys() == {"int8"}
+    assert agreement["rows"] == 4 and agreement["rows_identical"] >= MIN_STEP_AGREEMENT * agreement["rows"]
     assert parity["max_abs_diff"]["step_graph_logits"] <= LOGITS_ATOL  # the step graph was checked too
 
 
