@@ -8,6 +8,7 @@ every file in its folder. Torch-free: the service reads it with the standard lib
     models/<name>/encoder.onnx, decoder.onnx           fp32
     models/<name>/decoder_step.onnx                    fp32 (continuous batching's step)
     models/<name>/encoder.fp16.onnx, decoder.fp16.onnx fp16, sharing fp32's weights.bin
+    models/<name>/decoder_step.fp16.onnx               fp16 step (float16 caches in its I/O)
     models/<name>/int8/...                             int8, with its own weights.bin
 """
 
