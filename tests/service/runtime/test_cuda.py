@@ -61,3 +61,25 @@ def test_serving_reports_the_cuda_provider() -> None:
     state = runtime.encode(runtime.pad([[5, 6, runtime.eos_id]]))
     assert isinstance(state.cross_keys[0], ort.OrtValue) and state.cross_keys[0].device_name() == "cuda"
     assert np.isfinite(runtime.decode(np.full((1, 1), runtime.bos_id), state).logits).all()
+
+
+@pytest.mark.parametrize("model", ["translate-en-it", "summarize-en"])
+def test_fp16_on_cuda_batches_on_its_step_graph(model: str) -> None:
+    """CUDA serves the fp16 variant, and continuous batching on its step graph (float16 caches,
+    which CUDA's attention kernel takes), the slots on the GPU; float16 arithmetic may move a
+    close call, so most rows, not all, decode the CPU's fp32 tokens."""
+    from service.batching.slot_batch import SlotBatch
+
+    cuda = ModelRuntime.load(MODELS / model, [CUDA, CPU])
+    assert (cuda.provider, cuda.variant) == (CUDA, "fp16") and cuda.step is not None
+    cpu = ModelRuntime.load(MODELS / model, [CPU], variant="fp32")
+    sources = _sources(cpu, model)
+    batch: SlotBatch[int] = SlotBatch(cuda)
+    assert batch.on_device
+    batch.concatenate(sources, list(range(len(sources))), [64] * len(sources))
+    results: dict = {}
+    while len(batch):
+        results.update(batch.generate_token())
+    expected = generate(cpu, sources, 1, 64, greedy_scores=False)
+    identical = sum(results[i].tokens == e.tokens for i, e in enumerate(expected))
+    assert identical >= 3 * len(sources) // 4, f"{identical} of {len(sources)} rows"
