@@ -233,23 +233,16 @@ def _register_add_step_graph(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _add_step_graph(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from export.parity import StepDisagreement
     from export.repository import add_step_graph
-    from service.repository.manifest import ManifestError, read_manifest
+    from service.repository.manifest import ManifestError
+    from service.runtime import ModelLoadError
 
-    sources = None
-    if args.data_dir:
-        manifest = read_manifest(args.model_dir)
-        sources = _test_sources(args.data_dir, str(Path(args.model_dir) / manifest.tokenizer),
-                                manifest.max_source_len, count=args.rows)
     try:
-        manifest = add_step_graph(args.model_dir, "fp16", sources=sources,
-                                  sources_label=f"test split, first {len(sources)} rows" if sources else "synthetic",
+        manifest = add_step_graph(args.model_dir, "fp16", data_dir=args.data_dir, rows=args.rows,
                                   max_new_tokens=args.max_new_tokens, max_size_mb=args.max_size_mb or None,
                                   threads=args.threads)
-    except (ManifestError, ValueError) as error:
+    except (ManifestError, ModelLoadError, ValueError) as error:
         logger.error("cannot add a step graph to %s: %s", args.model_dir, error)
         return 2
     except StepDisagreement as error:

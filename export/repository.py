@@ -25,6 +25,7 @@ from export.storage import WEIGHTS_FILE as GRAPH_WEIGHTS_FILE
 from export.storage import add_graphs, load_graph, save_graphs
 from export.variants import PRECISIONS, convert, convert_step
 from model.checkpoint import WEIGHTS_FILE, load_model, save_weights
+from model.run_config import read_split
 from model.tokenizer import Tokenizer, VocabFiles, VocabTokenizer, load_tokenizer
 from model.transformer import Transformer
 from service.repository import graph_io
@@ -265,17 +266,16 @@ def _fit(directory: Path, manifest: Manifest, max_size_mb: float) -> None:
 
 
 def add_step_graph(
-    directory: str | Path, precision: str = "fp16", *, sources: list[list[int]] | None = None,
-    sources_label: str = "synthetic", max_new_tokens: int = 32, max_size_mb: float | None = MAX_SIZE_MB,
-    threads: int = 0,
+    directory: str | Path, precision: str = "fp16", *, data_dir: str | Path | None = None, rows: int = 64,
+    max_new_tokens: int = 32, max_size_mb: float | None = MAX_SIZE_MB, threads: int = 0,
 ) -> Manifest:
     """Give the `precision` variant of the repository `directory` the step graph it lacks, as an
     export makes it, and leave every other file as it is: the fp32 step graph converted
     (`convert_step`) and stored beside it, its weights read from the shared `weights.bin` (only a
     weight not found there is appended); its greedy tokens checked against the fp32 step graph's
-    on `sources` (synthetic by default; `step_agreement`, naming them `sources_label`); the
-    manifest then names it as the variant's `step_decoder`, records the agreement and lists the
-    new file's sha256. Only a
+    (`step_agreement`) on the first `rows` test sources of `data_dir`, tokenized by the
+    repository's tokenizer (synthetic sources without it); the manifest then names it as the
+    variant's `step_decoder`, records the agreement and lists the new file's sha256. Only a
     variant whose graphs share the root weights (`SHARED_WEIGHTS`, not fp32) can be given one.
     On any failure (a disagreeing graph, a repository over `max_size_mb`) the repository is left
     as it was. Returns the new manifest."""
@@ -303,10 +303,15 @@ def add_step_graph(
         reference = ModelRuntime.load(directory, [CPU], threads=threads, variant="fp32")
         runtime = ModelRuntime.load(directory, [CPU], threads=threads, variant=precision, step_graph=True)
         config = manifest.config
-        if sources is None:
-            sources, sources_label = parity_sources(config.vocab_size, config.eos_id), "synthetic"
+        if data_dir is not None:
+            texts, _ = read_split(data_dir, "test")
+            keep = manifest.max_source_len - 1
+            sources = [ids[:keep] + [config.eos_id] for ids in reference.tokenizer.encode_batch(texts[:rows])]
+            label = f"test split, first {len(sources)} rows"
+        else:
+            sources, label = parity_sources(config.vocab_size, config.eos_id), "synthetic"
         manifest.exporter.setdefault("step_graph_agreement", {})[precision] = step_agreement(
-            reference, runtime, sources, min(max_new_tokens, config.max_target_len), sources_label)
+            reference, runtime, sources, min(max_new_tokens, config.max_target_len), label)
         size = _size_mb(directory)
         if max_size_mb is not None and size > max_size_mb:
             raise RepositoryTooLarge(f"{directory}: {size:.1f} MB with the {precision} step graph, "
