@@ -25,6 +25,15 @@ runtime's device, written by tiny graphs there: `service.runtime.device_slots`),
 (`on_device`). The positions, next tokens and source mask stay on the host either way: they are
 a few bytes per row, and the step takes them from there.
 
+A vocabulary shortlist (`service.runtime.shortlist`), when the runtime has one and the slots are
+on the host: each row's candidates (its source pieces' candidates in the table) are counted in
+as it joins and out as it leaves, and a step computes only the logits of the batch's shortlist
+(the counted ids and the table's `always`, kept sorted and recomputed only after a join or a
+departure); the step's argmax maps back to a token id through it. A step with the batch's
+`scores`, or with a live row that has a forced prefix or asks for its scores, computes the whole
+vocabulary: those need the probabilities of every token (and the prefix's tokens may lie outside
+the shortlist). Device slots always compute the whole vocabulary.
+
 The same caveat as `RunningBatch`: with int8 graphs a row's activations are quantized with the
 whole batch's scale, so its tokens may depend on its neighbours.
 """
@@ -32,7 +41,7 @@ whole batch's scale, so its tokens may depend on its neighbours.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Generic, Protocol
+from typing import Generic, Protocol, cast
 
 import numpy as np
 import onnxruntime as ort
@@ -42,6 +51,7 @@ from service.generation.hooks import RowHooks
 from service.generation.search import GenerationResult
 from service.runtime.device_slots import DeviceSlots, slot_graphs, step_dtypes, step_element_types
 from service.runtime.protocol import Runtime
+from service.runtime.shortlist import Shortlist, ShortlistCounts
 from service.runtime.step_buffers import HostSlots
 from service.runtime.tensors import Tensor
 
@@ -104,7 +114,7 @@ class SlotBatch(Generic[Owner]):
 
     def __init__(self, runtime: Runtime, padding_slack: float = 1.25, scores: bool = True,
                  rows: int = 8, capacity: int = QUANTUM, quantum: int = QUANTUM,
-                 on_device: bool | None = None) -> None:
+                 on_device: bool | None = None, shortlist: bool = True) -> None:
         if runtime.step is None:
             raise ValueError("the runtime has no step graph (decoder_step.onnx): use RunningBatch")
         self.runtime = runtime
@@ -121,6 +131,11 @@ class SlotBatch(Generic[Owner]):
         self._source_mask = np.zeros((rows, 0), dtype=bool)  # (slots, S) True on real source tokens
         self._positions = np.zeros(rows, dtype=np.int64)  # (slots,) each row's cached length
         self._last = np.zeros(rows, dtype=np.int64)  # (slots,) each row's next input token
+        # the runtime's shortlist (with `shortlist` and host slots): each live row's candidates, in slot order
+        found: Shortlist | None = getattr(runtime, "shortlist", None) if shortlist and not on_device else None
+        self._shortlist = found
+        self._counts = ShortlistCounts(found.table) if found is not None else None
+        self._candidates: list[np.ndarray] = []
 
     def __len__(self) -> int:
         """Rows still decoding."""
@@ -131,6 +146,11 @@ class SlotBatch(Generic[Owner]):
         """Whether the slot buffers live on the runtime's device (`DeviceSlots`), not in host
         memory (`HostSlots`)."""
         return isinstance(self._slots, DeviceSlots)
+
+    @property
+    def shortlisted(self) -> bool:
+        """Whether steps may compute the runtime's vocabulary shortlist only."""
+        return self._shortlist is not None
 
     @property
     def slots(self) -> int:
@@ -183,6 +203,13 @@ class SlotBatch(Generic[Owner]):
         self._positions[live:rows] = 0  # the slot's old columns are never read: the graph reads 0..position
         self._last[live:rows] = self.runtime.decoder_start_id
         self._members += members
+        if self._shortlist is not None and self._counts is not None:
+            table = self._shortlist.table
+            # `encode_newcomers` puts the members in the (stable) order of their source lengths
+            for i in sorted(range(len(sources)), key=lambda i: len(sources[i])):
+                candidates = table.row_candidates(sources[i])
+                self._counts.join(candidates)
+                self._candidates.append(candidates)
 
     def generate_token(self) -> list[tuple[Owner, GenerationResult]]:
         """One decoder step for every row; returns the rows that finished (they have left)."""
@@ -193,15 +220,34 @@ class SlotBatch(Generic[Owner]):
         if needed > self.capacity:
             self._resize(self.slots, _rounded(needed, self.quantum), self.source_len)
         assert self.runtime.step is not None
-        logits = self._slots.step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
-                                  self._source_mask[:live])  # (n, V)
+        vocab = self._step_vocab()
+        if vocab is None:
+            logits = self._slots.step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
+                                      self._source_mask[:live])  # (n, V)
+        else:
+            assert self._shortlist is not None
+            logits = cast(HostSlots, self._slots).step(self._shortlist.session, self._last[:live, None],
+                                                       self._positions[:live, None], self._source_mask[:live],
+                                                       vocab)  # (n, V')
         best, chosen = choose(self._members, logits, self.scores)  # (n,) each
+        if vocab is not None:
+            best = vocab[best]
         finished = advance(self._members, best, chosen, self.runtime.eos_id, self.scores)
         self._positions[:live] += 1
         self._last[:live] = best
         if finished:
             self._remove(sorted(i for i, _ in finished))
         return [result for _, result in finished]
+
+    def _step_vocab(self) -> np.ndarray | None:
+        """The ids this step computes: the batch's shortlist, or None (the whole vocabulary)
+        without a shortlist, with the batch's `scores`, or while a live row has a forced prefix
+        or asks for its scores."""
+        if self._counts is None or self.scores:
+            return None
+        if any(member.prefix or member.token_scores is not None for member in self._members):
+            return None
+        return self._counts.vocab
 
     def filter(self, owners: Collection[Owner]) -> list[Owner]:
         """Keep only the rows of `owners`; the others leave at once (the last live rows move
@@ -219,13 +265,19 @@ class SlotBatch(Generic[Owner]):
         gone = set(finished)
         holes = np.asarray([i for i in finished if i < left], dtype=np.int64)
         movers = np.asarray([i for i in range(left, live) if i not in gone], dtype=np.int64)
+        if self._counts is not None:
+            for i in finished:
+                self._counts.leave(self._candidates[i])
         if holes.size:
             self._slots.move_rows(movers, holes, int(self._positions[movers].max()))
             for array in (self._source_mask, self._positions, self._last):
                 array[holes] = array[movers]
             for hole, mover in zip(holes.tolist(), movers.tolist(), strict=True):
                 self._members[hole] = self._members[mover]
+                if self._counts is not None:
+                    self._candidates[hole] = self._candidates[mover]
         del self._members[left:]
+        del self._candidates[left:]
         self._shrink()
 
     def _shrink(self) -> None:

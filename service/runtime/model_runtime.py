@@ -51,6 +51,7 @@ from service.runtime.providers import (
     prepare_cuda,
 )
 from service.runtime.row_gather import RowGather
+from service.runtime.shortlist import Shortlist
 from service.runtime.step_buffers import HostSlots
 from service.runtime.tensors import DecoderStep, EncoderState, Gatherer, KVCache, Tensor, to_numpy
 
@@ -88,6 +89,9 @@ class ModelRuntime:
     # the decoder step over each row's own cache (`export.step_graph`), for continuous batching;
     # None when the variant has none or its attention has no kernel on the provider (`STEP_CACHE_TYPES`)
     step: ort.InferenceSession | None = field(default=None, repr=False)
+    # the step graph with a vocabulary shortlist and its table (`service.runtime.shortlist`), used by
+    # `SlotBatch` with host slots; None: every step computes the whole vocabulary
+    shortlist: Shortlist | None = field(default=None, repr=False)
 
     # -- loading ---------------------------------------------------------------------------
 

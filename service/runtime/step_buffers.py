@@ -58,13 +58,17 @@ class CacheBuffers:
 
 
 def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
-             source_mask: np.ndarray, cross: list[np.ndarray], buffers: CacheBuffers) -> np.ndarray:
+             source_mask: np.ndarray, cross: list[np.ndarray], buffers: CacheBuffers,
+             vocab: np.ndarray | None = None) -> np.ndarray:
     """One step of B rows (the first B of `buffers`): (B, 1) ids and positions (each row's
     cached length, < capacity), (B, S) source mask, cross keys/values (cross_key.0,
     cross_value.0, ...: (B, h, S, d)). Writes each row's new key/value into `buffers` at column
-    positions[b]; returns the (B, vocab) logits."""
+    positions[b]; returns the (B, vocab) logits. With `vocab` (V',) ids, for the shortlist step
+    graph (`service.runtime.shortlist`): the (B, V') logits of those ids."""
     layers = len(buffers.arrays) // 2
     binding = session.io_binding()
+    if vocab is not None:
+        binding.bind_cpu_input("vocab", np.ascontiguousarray(vocab, dtype=np.int64))
     binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
     binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
     binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
@@ -137,7 +141,9 @@ class HostSlots:
         return new
 
     def step(self, session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
-             source_mask: np.ndarray) -> np.ndarray:
-        """One step of the first B slots (`run_step`, B = len(input_ids)); the (B, vocab) logits."""
+             source_mask: np.ndarray, vocab: np.ndarray | None = None) -> np.ndarray:
+        """One step of the first B slots (`run_step`, B = len(input_ids)); the (B, vocab) logits,
+        or with `vocab` (the shortlist step graph's input) the (B, V') logits of those ids."""
         count = len(input_ids)
-        return run_step(session, input_ids, positions, source_mask, [c[:count] for c in self.cross], self.buffers)
+        return run_step(session, input_ids, positions, source_mask, [c[:count] for c in self.cross], self.buffers,
+                        vocab)

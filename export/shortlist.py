@@ -1,0 +1,255 @@
+"""Build a vocabulary shortlist (`service.runtime.shortlist`): the lexical table from training
+pairs, and the step graph whose output projection computes only the shortlist's columns.
+
+The table: both sides of every training pair are tokenized with the model's own SentencePiece
+model; for each source piece s and target piece t, c(s, t) counts the pairs whose source holds s
+and whose target holds t (sentence co-occurrence, each piece once per sentence). Each source
+piece keeps its K target pieces of highest association score (`SCORES`), ties broken by the
+smaller id; every shortlist also holds the N most frequent target pieces (by token count) and
+the special ids EOS and UNK.
+
+The graph: `shortlist_step_graph` rewrites a step graph (`export.step_graph`) so that every
+constant whose last axis is the vocabulary and that is read by the output projection or by the
+nodes between it and `logits` (the int8 graph's quantized weight [d, V], its per-channel zero
+points and scales [V]; the fp32 graph's weight [d, V]) goes through `Gather(constant, vocab,
+axis=-1)` first. With `vocab` holding every id in order it computes the original logits.
+
+    python -m export.shortlist table --model models/translate-en-it --data-dir DATA --out table.npz -k 20 -n 500
+    python -m export.shortlist graph --step models/translate-en-it/int8/decoder_step.onnx --out DIR/decoder_step_shortlist.onnx
+    python -m export.shortlist coverage --model models/translate-en-it --data-dir DATA --table table.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from model.run_config import read_split
+from model.tokenizer import Tokenizer
+from service.runtime.shortlist import ShortlistTable
+
+SHORTLIST_STEP_FILE = "decoder_step_shortlist.onnx"
+SHORTLIST_TABLE_FILE = "shortlist.npz"
+SCORES = ("dice", "lift")  # dice: 2 c(s,t) / (c(s) + c(t)); lift: c(s,t) / c(s) - c(t) / pairs
+CHUNK = 20_000  # pairs counted per batch of pair codes
+
+
+def cooccurrence(sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]],
+                 vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Sentence co-occurrence counts of tokenized pairs: c(s, t) (vocab, vocab) int32, the number
+    of sources holding s and of targets holding t (vocab,) each, and each target piece's token
+    count (vocab,)."""
+    counts = np.zeros((vocab, vocab), dtype=np.int32)
+    source_df = np.zeros(vocab, dtype=np.int64)
+    target_df = np.zeros(vocab, dtype=np.int64)
+    target_tf = np.zeros(vocab, dtype=np.int64)
+    for start in range(0, len(sources), CHUNK):
+        codes = []
+        for source, target in zip(sources[start:start + CHUNK], targets[start:start + CHUNK], strict=True):
+            s = np.unique(np.asarray(source, dtype=np.int64))
+            t = np.unique(np.asarray(target, dtype=np.int64))
+            source_df[s] += 1
+            target_df[t] += 1
+            np.add.at(target_tf, np.asarray(target, dtype=np.int64), 1)
+            codes.append((s[:, None] * vocab + t[None, :]).ravel())
+        if codes:
+            pairs, hits = np.unique(np.concatenate(codes), return_counts=True)
+            counts.ravel()[pairs] += hits.astype(np.int32)
+    return counts, source_df, target_df, target_tf
+
+
+def association(counts: np.ndarray, source_df: np.ndarray, target_df: np.ndarray, pairs: int,
+                score: str, rows: slice) -> np.ndarray:
+    """Association scores (float32) of the source pieces `rows` with every target piece."""
+    c = counts[rows].astype(np.float32)
+    if score == "dice":
+        return 2 * c / np.maximum(source_df[rows, None] + target_df[None, :], 1).astype(np.float32)
+    if score == "lift":
+        return c / np.maximum(source_df[rows, None], 1).astype(np.float32) - (target_df / max(pairs, 1)).astype(np.float32)
+    raise ValueError(f"unknown score {score!r} (one of {SCORES})")
+
+
+def top_candidates(counts: np.ndarray, source_df: np.ndarray, target_df: np.ndarray, pairs: int,
+                   k: int, score: str) -> np.ndarray:
+    """Each source piece's `k` target pieces of highest score, best first (vocab, k); pieces never
+    seen with it score below every seen one and come after them, smaller ids first."""
+    vocab = len(counts)
+    out = np.zeros((vocab, k), dtype=np.int64)
+    step = 512
+    for start in range(0, vocab, step):
+        rows = slice(start, min(start + step, vocab))
+        scores = association(counts, source_df, target_df, pairs, score, rows)
+        scores[counts[rows] == 0] = -np.inf
+        # a stable sort of the negated scores: the best first, ties by the smaller id
+        out[rows] = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return out
+
+
+def build_table(tokenizer: Tokenizer, sources: Sequence[str], targets: Sequence[str], k: int,
+                frequent: int, score: str = "dice") -> ShortlistTable:
+    """The table of `k` candidates per source piece and the `frequent` most frequent target
+    pieces plus EOS and UNK, from raw training pairs."""
+    source_ids = tokenizer.encode_batch(sources)
+    target_ids = tokenizer.encode_batch(targets)
+    return table_from_ids(source_ids, target_ids, tokenizer.vocab_size, k, frequent,
+                          [tokenizer.eos_id, tokenizer.unk_id], score)
+
+
+def table_from_ids(source_ids: Sequence[Sequence[int]], target_ids: Sequence[Sequence[int]], vocab: int,
+                   k: int, frequent: int, specials: Sequence[int], score: str = "dice") -> ShortlistTable:
+    """`build_table` on tokenized pairs."""
+    counts, source_df, target_df, target_tf = cooccurrence(source_ids, target_ids, vocab)
+    candidates = top_candidates(counts, source_df, target_df, len(source_ids), k, score)
+    top = np.argsort(-target_tf, kind="stable")[:frequent]
+    always = np.unique(np.concatenate([top, np.asarray(list(specials), dtype=np.int64)]))
+    return ShortlistTable(candidates, always)
+
+
+def save_table(table: ShortlistTable, path: str | Path) -> None:
+    """Write the table as `.npz` (int16 ids when the vocabulary fits, else int32)."""
+    dtype = np.int16 if table.vocab_size <= np.iinfo(np.int16).max + 1 else np.int32
+    np.savez(Path(path), candidates=table.candidates.astype(dtype), always=table.always.astype(dtype))
+
+
+def coverage(table: ShortlistTable, sources: Sequence[Sequence[int]],
+             references: Sequence[Sequence[int]]) -> dict[str, float]:
+    """How well each source's own shortlist (its candidates and `always`) holds its reference:
+    the share of reference tokens in it, the share of references held whole, and the mean
+    shortlist size."""
+    held = total = whole = 0
+    sizes = []
+    for source, reference in zip(sources, references, strict=True):
+        shortlist = table.shortlist([source])
+        inside = np.isin(np.asarray(reference, dtype=np.int64), shortlist)
+        held += int(inside.sum())
+        total += len(reference)
+        whole += bool(inside.all())
+        sizes.append(len(shortlist))
+    return {"token_coverage": held / max(total, 1), "sentence_coverage": whole / max(len(sources), 1),
+            "mean_shortlist": float(np.mean(sizes)) if sizes else 0.0}
+
+
+def _projection_constants(graph: onnx.GraphProto, vocab: int) -> list[tuple[onnx.NodeProto, int, str]]:
+    """(node, input index, initializer) of every initializer with last axis `vocab` read by the
+    nodes from `logits` back to the output projection (the first MatMul/MatMulInteger met) and
+    by the nodes that feed those."""
+    producers = {out: node for node in graph.node for out in node.output}
+    initializers = {init.name: init for init in graph.initializer}
+    found: list[tuple[onnx.NodeProto, int, str]] = []
+    chain: list[onnx.NodeProto] = []
+    node = producers.get("logits")
+    while node is not None:
+        chain.append(node)
+        if node.op_type in ("MatMul", "MatMulInteger"):
+            break
+        # the next node up: the producer of the input that is no initializer and carries the vocabulary
+        inputs = [name for name in node.input if name in producers and name not in initializers]
+        node = producers[inputs[0]] if inputs else None
+    else:
+        raise ValueError("no MatMul/MatMulInteger found above `logits`")
+    readers = list(chain)
+    for node in chain:  # one level up: the per-channel scale's Mul, for instance
+        readers += [producers[name] for name in node.input if name in producers and producers[name] not in readers]
+    for node in readers:
+        for index, name in enumerate(node.input):
+            init = initializers.get(name)
+            if init is not None and len(init.dims) and init.dims[-1] == vocab and not (
+                    node.op_type == "Gather" and index == 1):
+                found.append((node, index, name))
+    if not any(node.op_type in ("MatMul", "MatMulInteger") for node, _, _ in found):
+        raise ValueError("the output projection's weight is no initializer of last axis vocab")
+    return found
+
+
+def shortlist_step_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of step graph `model` with input `vocab` (V',) int64: the projection's constants
+    of last axis vocab are gathered by it, so `logits` is (B, V'), the columns `vocab`."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    logits = next(o for o in graph.output if o.name == "logits")
+    vocab = logits.type.tensor_type.shape.dim[-1].dim_value
+    if not vocab:
+        raise ValueError("`logits` has no fixed vocabulary dimension")
+    gathered: dict[str, str] = {}
+    nodes = []
+    for node, index, name in _projection_constants(graph, vocab):
+        if name not in gathered:
+            init = next(i for i in graph.initializer if i.name == name)
+            gathered[name] = f"{name}.shortlist"
+            nodes.append(helper.make_node("Gather", [name, "vocab"], [gathered[name]], axis=len(init.dims) - 1,
+                                          name=f"shortlist_gather_{len(nodes)}"))
+        node.input[index] = gathered[name]
+    # they read only initializers and the input: first in topological order
+    rest = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(nodes + rest)
+    graph.input.append(helper.make_tensor_value_info("vocab", TensorProto.INT64, ["shortlist"]))
+    logits.type.tensor_type.shape.dim[-1].ClearField("dim_value")
+    logits.type.tensor_type.shape.dim[-1].dim_param = "shortlist"
+    del graph.value_info[:]  # shapes inferred for the full vocabulary no longer hold
+    onnx.checker.check_model(out)
+    return out
+
+
+def write_shortlist_step(step: str | Path, out: str | Path) -> Path:
+    """Write `shortlist_step_graph` of the step graph at `step` to `out`, its weights inline
+    (the source graph's external weights are read, the source is left unchanged)."""
+    model = onnx.load(str(step), load_external_data=True)
+    graph = shortlist_step_graph(model)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(graph, str(out))
+    return out
+
+
+def _tokenized_split(model_dir: Path, data_dir: Path, split: str, rows: int | None) -> tuple[Tokenizer, list[list[int]], list[list[int]]]:
+    tokenizer = Tokenizer.from_file(model_dir / "tokenizer.model")
+    sources, targets = read_split(data_dir, split)
+    if rows is not None:
+        sources, targets = sources[:rows], targets[:rows]
+    return tokenizer, tokenizer.encode_batch(sources), tokenizer.encode_batch(targets)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    table = commands.add_parser("table", help="build the lexical table from the training pairs")
+    table.add_argument("--model", type=Path, required=True, help="model repository (its tokenizer.model)")
+    table.add_argument("--data-dir", type=Path, required=True, help="folder of train.src/train.tgt")
+    table.add_argument("--out", type=Path, required=True)
+    table.add_argument("-k", type=int, default=20, help="candidates per source piece")
+    table.add_argument("-n", type=int, default=500, help="most frequent target pieces in every shortlist")
+    table.add_argument("--score", choices=SCORES, default="dice")
+    graph = commands.add_parser("graph", help="the step graph with the `vocab` input")
+    graph.add_argument("--step", type=Path, required=True)
+    graph.add_argument("--out", type=Path, required=True)
+    cover = commands.add_parser("coverage", help="reference tokens held by their sources' shortlists")
+    cover.add_argument("--model", type=Path, required=True)
+    cover.add_argument("--data-dir", type=Path, required=True)
+    cover.add_argument("--table", type=Path, required=True)
+    cover.add_argument("--split", default="test")
+    args = parser.parse_args(argv)
+    if args.command == "table":
+        tokenizer, sources, targets = _tokenized_split(args.model, args.data_dir, "train", None)
+        built = table_from_ids(sources, targets, tokenizer.vocab_size, args.k, args.n,
+                               [tokenizer.eos_id, tokenizer.unk_id], args.score)
+        save_table(built, args.out)
+    elif args.command == "graph":
+        write_shortlist_step(args.step, args.out)
+    else:
+        _, sources, references = _tokenized_split(args.model, args.data_dir, args.split, None)
+        result: dict[str, Any] = coverage(ShortlistTable.load(args.table), sources, references)
+        print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

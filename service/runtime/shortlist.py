@@ -1,0 +1,124 @@
+"""A vocabulary shortlist for the decoder step (CTranslate2's vocabulary map): per batch, the
+target pieces that can follow its rows' sources plus the most frequent ones, so that the output
+projection computes only those columns.
+
+Two files, both written by `export.shortlist`:
+- the table (`.npz`): `candidates` (vocab, K) int ids, the K target pieces most associated with
+  each source piece in the training pairs; `always` (N',) the most frequent target pieces and
+  the special ids (EOS, UNK), part of every shortlist;
+- the step graph with the shortlist (`decoder_step_shortlist.onnx`): `export.step_graph`'s
+  inputs plus `vocab` (V',) int64, the sorted ids whose logits it computes; `logits` (B, V')
+  holds them in that order (`vocab[argmax]` is the token).
+
+A row's candidates are the union of its source pieces' rows of `candidates`; a batch's shortlist
+is the union of its rows' candidates and `always` (`ShortlistCounts` keeps it as rows join and
+leave). Torch- and onnx-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+TABLE_KEYS = ("candidates", "always")
+
+
+@dataclass(frozen=True)
+class ShortlistTable:
+    """Each source piece's candidate target pieces (vocab, K) and the pieces every shortlist
+    holds (`always`)."""
+
+    candidates: np.ndarray  # (vocab, K) target ids, the most associated first
+    always: np.ndarray  # (N',) sorted target ids: the most frequent pieces and the specials
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.candidates.shape[0])
+
+    @classmethod
+    def load(cls, path: str | Path) -> ShortlistTable:
+        """Read a table written by `export.shortlist.save_table`."""
+        with np.load(Path(path)) as data:
+            missing = [key for key in TABLE_KEYS if key not in data]
+            if missing:
+                raise ValueError(f"{path}: not a shortlist table (missing {missing})")
+            candidates = data["candidates"].astype(np.int64)
+            always = np.unique(data["always"].astype(np.int64))
+        if candidates.ndim != 2 or candidates.min(initial=0) < 0 or candidates.max(initial=0) >= len(candidates):
+            raise ValueError(f"{path}: candidates must be (vocab, K) ids below vocab")
+        return cls(candidates, always)
+
+    def row_candidates(self, source: Sequence[int]) -> np.ndarray:
+        """The sorted, distinct candidate ids of one source (its pieces' candidates)."""
+        ids = np.asarray(source, dtype=np.int64)
+        return np.unique(self.candidates[ids[(ids >= 0) & (ids < self.vocab_size)]])
+
+    def shortlist(self, sources: Sequence[Sequence[int]]) -> np.ndarray:
+        """The sorted shortlist of a batch of sources: their candidates and `always`."""
+        parts = [self.row_candidates(source) for source in sources]
+        return np.unique(np.concatenate([self.always, *parts]))
+
+
+@dataclass
+class Shortlist:
+    """The step graph with the `vocab` input (its session) and the table that fills it."""
+
+    session: ort.InferenceSession
+    table: ShortlistTable
+
+    @classmethod
+    def load(cls, graph: str | Path, table: str | Path, threads: int = 0, spinning: bool = True,
+             memory_arena: bool = True) -> Shortlist:
+        """A CPU session of the shortlist step graph (the options `ModelRuntime` gives its int8
+        sessions: all graph optimizations, constant folding of the dequantized weights) and its
+        table; the graph's vocabulary must be the table's."""
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.enable_cpu_mem_arena = memory_arena
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+        if not spinning:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+        if "vocab" not in {i.name for i in session.get_inputs()}:
+            raise ValueError(f"{graph}: the step graph has no `vocab` input (export.shortlist makes it)")
+        return cls(session, ShortlistTable.load(table))
+
+
+@dataclass
+class ShortlistCounts:
+    """A batch's shortlist as rows come and go: per vocabulary id, how many live rows have it
+    as a candidate (+1 per candidate when a row joins, -1 when it leaves); the shortlist is the
+    ids counted at least once and the table's `always`, recomputed only after a change."""
+
+    table: ShortlistTable
+    counts: np.ndarray = field(init=False)
+    _always: np.ndarray = field(init=False)
+    _vocab: np.ndarray | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.counts = np.zeros(self.table.vocab_size, dtype=np.int32)
+        self._always = np.zeros(self.table.vocab_size, dtype=bool)
+        self._always[self.table.always] = True
+
+    def join(self, candidates: np.ndarray) -> None:
+        """Count a row's (distinct) candidates in."""
+        self.counts[candidates] += 1
+        self._vocab = None
+
+    def leave(self, candidates: np.ndarray) -> None:
+        """Count a row's candidates out."""
+        self.counts[candidates] -= 1
+        self._vocab = None
+
+    @property
+    def vocab(self) -> np.ndarray:
+        """The sorted ids the step computes: counted candidates and `always`."""
+        if self._vocab is None:
+            self._vocab = np.flatnonzero((self.counts > 0) | self._always).astype(np.int64)
+        return self._vocab
