@@ -179,7 +179,7 @@ def shortlist_step_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     if not vocab:
         raise ValueError("`logits` has no fixed vocabulary dimension")
     gathered: dict[str, str] = {}
-    nodes = []
+    nodes: list[onnx.NodeProto] = []
     for node, index, name in _projection_constants(graph, vocab):
         if name not in gathered:
             init = next(i for i in graph.initializer if i.name == name)

@@ -220,7 +220,7 @@ class SlotBatch(Generic[Owner]):
         if needed > self.capacity:
             self._resize(self.slots, _rounded(needed, self.quantum), self.source_len)
         assert self.runtime.step is not None
-        vocab = self._step_vocab()
+        vocab = self.step_vocab()
         if vocab is None:
             logits = self._slots.step(self.runtime.step, self._last[:live, None], self._positions[:live, None],
                                       self._source_mask[:live])  # (n, V)
@@ -239,7 +239,7 @@ class SlotBatch(Generic[Owner]):
             self._remove(sorted(i for i, _ in finished))
         return [result for _, result in finished]
 
-    def _step_vocab(self) -> np.ndarray | None:
+    def step_vocab(self) -> np.ndarray | None:
         """The ids this step computes: the batch's shortlist, or None (the whole vocabulary)
         without a shortlist, with the batch's `scores`, or while a live row has a forced prefix
         or asks for its scores."""

@@ -1,0 +1,111 @@
+"""The vocabulary shortlist's export side (`export.shortlist`): the lexical table from training
+pairs, and the step graph whose `vocab` input selects the output projection's columns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from export.shortlist import coverage, shortlist_step_graph, table_from_ids
+from service.repository.manifest import read_manifest
+from service.runtime import CPU, ModelRuntime
+from service.runtime.step_buffers import CacheBuffers, run_step
+from tests.conftest import TINY_CONFIG, reversal_examples
+
+EOS, UNK = 3, 1
+
+
+def _session(path: str | Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=[CPU])
+
+
+@pytest.fixture(scope="module")
+def int8(tiny_model_repository) -> ModelRuntime:
+    return ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="int8")
+
+
+def _steps(runtime: ModelRuntime, session: ort.InferenceSession, sources: list[list[int]],
+           tokens: list[np.ndarray], vocab: np.ndarray | None) -> list[np.ndarray]:
+    """The logits of one step per entry of `tokens` ((B,) inputs), from the decoder start."""
+    state = runtime.encode(runtime.pad(sources))
+    cross = [np.asarray(t) for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
+    buffers = CacheBuffers(runtime.n_decoder_layers, len(sources), runtime.n_heads, 8, runtime.head_dim)
+    out = []
+    for position, ids in enumerate(tokens):
+        positions = np.full((len(sources), 1), position, dtype=np.int64)
+        out.append(run_step(session, ids[:, None], positions, np.asarray(state.source_mask), cross, buffers, vocab))
+    return out
+
+
+def _inputs(runtime: ModelRuntime, trained_tiny) -> tuple[list[list[int]], list[np.ndarray]]:
+    sources = [s + [EOS] for s in trained_tiny.valid.sources[:6]]
+    rng = np.random.default_rng(0)
+    tokens = [np.full(len(sources), runtime.decoder_start_id, dtype=np.int64)]
+    tokens += [rng.integers(4, TINY_CONFIG.vocab_size, len(sources)) for _ in range(2)]
+    return sources, tokens
+
+
+def test_every_id_in_order_gives_the_step_graphs_logits_exactly(int8, tiny_shortlist, trained_tiny) -> None:
+    sources, tokens = _inputs(int8, trained_tiny)
+    assert int8.step is not None
+    full = _steps(int8, int8.step, sources, tokens, None)
+    everything = np.arange(TINY_CONFIG.vocab_size, dtype=np.int64)
+    short = _steps(int8, _session(tiny_shortlist[0]), sources, tokens, everything)
+    for a, b in zip(full, short, strict=True):
+        assert a.shape == b.shape == (len(sources), TINY_CONFIG.vocab_size)
+        assert np.array_equal(a, b)
+
+
+def test_a_shortlist_holding_each_rows_argmax_picks_the_same_tokens(int8, tiny_shortlist, trained_tiny) -> None:
+    sources, tokens = _inputs(int8, trained_tiny)
+    assert int8.step is not None
+    full = _steps(int8, int8.step, sources, tokens, None)
+    session = _session(tiny_shortlist[0])
+    rng = np.random.default_rng(1)
+    for step, logits in enumerate(full):
+        best = logits.argmax(axis=-1)
+        others = rng.choice(TINY_CONFIG.vocab_size, 3, replace=False)
+        vocab = np.unique(np.concatenate([best, others]))
+        assert len(vocab) < TINY_CONFIG.vocab_size
+        short = _steps(int8, session, sources, tokens[:step + 1], vocab)[-1]
+        assert short.shape == (len(sources), len(vocab))
+        assert np.array_equal(short, logits[:, vocab])  # the same columns, computed alone
+        assert np.array_equal(vocab[short.argmax(axis=-1)], best)
+
+
+def test_the_surgery_leaves_the_step_graph_unchanged(tiny_model_repository) -> None:
+    step = read_manifest(tiny_model_repository).variants["int8"].step_decoder
+    assert step
+    model = onnx.load(str(tiny_model_repository / step))
+    before = model.SerializeToString()
+    rewritten = shortlist_step_graph(model)
+    assert model.SerializeToString() == before
+    assert "vocab" in [i.name for i in rewritten.graph.input]
+    gathers = [n for n in rewritten.graph.node if n.op_type == "Gather" and "vocab" in n.input]
+    assert len(gathers) == 3  # the int8 weight, its per-channel zero points and scales
+
+
+def test_the_table_ranks_each_piece_first_for_a_reversal_and_covers_its_references() -> None:
+    pairs = reversal_examples(500, seed=0)
+    table = table_from_ids(pairs.sources, pairs.targets, TINY_CONFIG.vocab_size, k=1, frequent=0, specials=[EOS, UNK])
+    seen = sorted({piece for source in pairs.sources for piece in source})
+    assert table.candidates.shape == (TINY_CONFIG.vocab_size, 1)
+    assert table.candidates[seen, 0].tolist() == seen  # a piece's reversal holds it in every pair
+    assert table.always.tolist() == [UNK, EOS]
+    valid = reversal_examples(50, seed=1)
+    measured = coverage(table, valid.sources, valid.targets)
+    assert measured["token_coverage"] == measured["sentence_coverage"] == 1.0
+
+
+def test_the_most_frequent_target_pieces_are_always_in() -> None:
+    sources = [[4, 5], [4, 6], [5, 6]]
+    targets = [[7, 7, 8], [7, 9], [9, 10]]
+    table = table_from_ids(sources, targets, 12, k=1, frequent=2, specials=[EOS])
+    assert table.always.tolist() == [EOS, 7, 9]  # 7 three times, 9 twice
+    assert table.shortlist([[6]]).tolist() == [EOS, 7, 9]  # 6's best partner: 9 (dice 1.0 over two pairs)
