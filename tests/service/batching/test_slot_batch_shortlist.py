@@ -1,0 +1,101 @@
+"""`SlotBatch` with a vocabulary shortlist (`service.runtime.shortlist`): steps compute only the
+batch's shortlist when no live row needs the whole vocabulary, and decode the same tokens as the
+whole vocabulary when the table holds them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.batching.slot_batch import SlotBatch
+from service.generation.hooks import RowHooks
+from service.generation.search import GenerationResult
+from service.runtime import CPU, ModelRuntime
+from service.runtime.shortlist import Shortlist, ShortlistCounts, ShortlistTable
+
+EOS = 3
+
+
+@pytest.fixture(scope="module")
+def sources(trained_tiny) -> list[list[int]]:
+    return [s + [EOS] for s in trained_tiny.valid.sources[:16]]
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_repository, tiny_shortlist) -> ModelRuntime:
+    """The tiny repository's int8 variant with the shortlist (a runtime of its own: the shared
+    ones stay without)."""
+    loaded = ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="int8")
+    loaded.shortlist = Shortlist.load(*tiny_shortlist, threads=1)
+    return loaded
+
+
+def _run(runtime: ModelRuntime, sources: list[list[int]], shortlist: bool, seed: int,
+         hooks: dict[int, RowHooks] | None = None) -> tuple[dict[int, GenerationResult], list[int | None]]:
+    """Rows join 0-3 at a time at random steps; every row's result and each step's shortlist
+    size (None: the whole vocabulary)."""
+    batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=2, shortlist=shortlist)
+    assert batch.shortlisted is shortlist
+    rng = np.random.default_rng(seed)
+    pending = list(range(len(sources)))
+    results: dict[int, GenerationResult] = {}
+    sizes: list[int | None] = []
+    while pending or len(batch):
+        take = [pending.pop(0) for _ in range(min(len(pending), int(rng.integers(0, 4))))]
+        if take:
+            batch.concatenate([sources[i] for i in take], take, [12] * len(take),
+                              [(hooks or {}).get(i) for i in take])
+        vocab = batch.step_vocab()
+        sizes.append(None if vocab is None else len(vocab))
+        results.update(batch.generate_token())
+    return results, sizes
+
+
+def _tokens(results: dict[int, GenerationResult]) -> dict[int, tuple[list[int], str]]:
+    return {owner: (r.tokens, r.finish_reason) for owner, r in results.items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_shortlist_that_holds_the_outputs_decodes_the_same_tokens(runtime, sources, seed: int) -> None:
+    full, full_sizes = _run(runtime, sources, False, seed)
+    assert set(full_sizes) == {None}
+    assert runtime.shortlist is not None
+    table = runtime.shortlist.table
+    # the table holds every row's output (its source's candidates and the specials)
+    for i, source in enumerate(sources):
+        assert np.isin(full[i].tokens, table.shortlist([source])).all()
+    short, sizes = _run(runtime, sources, True, seed)
+    assert _tokens(short) == _tokens(full)
+    assert None not in sizes and min(s for s in sizes if s is not None) < runtime.vocab_size
+
+
+def test_rows_with_a_prefix_or_scores_keep_the_whole_vocabulary(runtime, sources) -> None:
+    hooks = {2: RowHooks(prefix=(5,)), 6: RowHooks(scores=True)}
+    full, _ = _run(runtime, sources, False, 0, hooks)
+    short, sizes = _run(runtime, sources, True, 0, hooks)
+    assert _tokens(short) == _tokens(full)
+    assert full[2].tokens[0] == 5 and full[6].token_scores is not None
+    assert short[6].token_scores == pytest.approx(full[6].token_scores, abs=1e-6)
+    assert None in sizes and any(s is not None for s in sizes)  # whole while those rows live, else the shortlist
+
+
+def test_a_batch_with_scores_or_device_slots_computes_the_whole_vocabulary(runtime, sources) -> None:
+    scored: SlotBatch[int] = SlotBatch(runtime, scores=True)
+    scored.concatenate(sources[:3], [0, 1, 2], [4] * 3)
+    assert scored.shortlisted and scored.step_vocab() is None
+    on_device: SlotBatch[int] = SlotBatch(runtime, on_device=True)
+    assert not on_device.shortlisted
+
+
+def test_counts_follow_rows_joining_and_leaving() -> None:
+    table = ShortlistTable(np.array([[0, 0], [2, 3], [3, 4], [4, 4], [0, 0]]), np.array([0]))
+    counts = ShortlistCounts(table)
+    first, second = table.row_candidates([1, 2]), table.row_candidates([2, 3])
+    assert first.tolist() == [2, 3, 4] and second.tolist() == [3, 4]
+    counts.join(first)
+    counts.join(second)
+    assert counts.vocab.tolist() == [0, 2, 3, 4]
+    counts.leave(first)
+    assert counts.vocab.tolist() == [0, 3, 4]
+    counts.leave(second)
+    assert counts.vocab.tolist() == [0]
