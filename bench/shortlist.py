@@ -16,7 +16,7 @@ with the whole vocabulary and once with the chosen table's shortlist; sacreBLEU 
 
 Speed: the first `--speed-sentences` test sources replayed the same way, the two variants in
 alternating turns (A B B A A B ...), `--turns` each; per turn the seconds in decoder steps
-(`generate_token`) and in the whole replay (joins included).
+(`generate_token`) and in the whole replay (joins included), wall clock and CPU time.
 """
 
 from __future__ import annotations
@@ -42,16 +42,18 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
            shortlist: bool) -> tuple[list[list[int]], dict[str, float]]:
     """Each source's greedy tokens through one `SlotBatch` (newcomers join `group` at a time
     while fewer than `rows` rows decode; one step after each join check), and the seconds in
-    steps and in the whole replay; the mean shortlist size over the steps that used one."""
+    steps and in the whole replay (wall clock, and this process's CPU time: with one intra-op
+    thread the graph runs in this thread, so CPU time is what other jobs on the machine disturb
+    least); the mean shortlist size over the steps that used one."""
     from service.batching.slot_batch import SlotBatch
 
     batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=rows, shortlist=shortlist)
     outputs: list[list[int]] = [[] for _ in sources]
-    steps_s = 0.0
+    steps_s = steps_cpu = 0.0
     steps = 0
     sizes: list[int] = []
     index = 0
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     while index < len(sources) or len(batch):
         if index < len(sources) and len(batch) < rows:
             newcomers = sources[index:index + group]
@@ -61,13 +63,15 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
         if shortlist:
             vocab = batch.step_vocab()
             sizes.append(len(vocab) if vocab is not None else runtime.vocab_size)
-        begun = time.perf_counter()
+        begun, begun_cpu = time.perf_counter(), time.process_time()
         for owner, result in batch.generate_token():
             outputs[owner] = result.tokens
         steps_s += time.perf_counter() - begun
+        steps_cpu += time.process_time() - begun_cpu
         steps += 1
-    total = time.perf_counter() - started
-    timing = {"step_s": round(steps_s, 3), "replay_s": round(total, 3), "steps": steps}
+    total, total_cpu = time.perf_counter() - started, time.process_time() - started_cpu
+    timing = {"step_s": round(steps_s, 3), "replay_s": round(total, 3), "step_cpu_s": round(steps_cpu, 3),
+              "replay_cpu_s": round(total_cpu, 3), "steps": steps}
     if sizes:
         timing["mean_shortlist"] = round(float(np.mean(sizes)), 1)
     return outputs, timing
@@ -77,8 +81,8 @@ def _coverage(args: argparse.Namespace, tokenizer: Any, test_sources: list[list[
               test_targets: list[list[int]]) -> tuple[dict[str, Any], Any]:
     """Coverage of every (score, K, N) on the test split; the chosen table."""
     from export.shortlist import cooccurrence, top_candidates
-    from service.runtime.shortlist import ShortlistTable
     from model.run_config import read_split
+    from service.runtime.shortlist import ShortlistTable
 
     train_src, train_tgt = read_split(args.data_dir, "train")
     started = time.perf_counter()
@@ -111,8 +115,8 @@ def _coverage(args: argparse.Namespace, tokenizer: Any, test_sources: list[list[
 def _markdown(results: dict[str, Any]) -> str:
     lines = ["# Vocabulary shortlist for the int8 decoder step", "",
              f"Command: `{results['command']}`", "",
-             f"Machine: {results['machine'].get('cpu', '')}, {results['machine'].get('cpu_count', '')} cores "
-             "(shared with other jobs)", ""]
+             (f"Machine: {results['machine'].get('cpu', '')}, {results['machine'].get('cpu_count', '')} cores "
+              "(shared with other jobs)"), ""]
     chosen = results["chosen"]
     lines += [f"Chosen table: score {chosen['score']}, K={chosen['k']}, N={chosen['n']}.", ""]
     cov = results.get("coverage")
@@ -129,17 +133,21 @@ def _markdown(results: dict[str, Any]) -> str:
                   "| vocabulary | BLEU | chrF |", "|---|---|---|",
                   f"| full | {bleu[FULL]['bleu']} | {bleu[FULL]['chrf']} |",
                   f"| shortlist | {bleu[SHORT]['bleu']} | {bleu[SHORT]['chrf']} |", "",
-                  f"Identical outputs: {bleu['identical']:.4f}. Full-vocabulary output tokens held by their own "
-                  f"source's shortlist: {bleu['output_token_coverage']:.4f}.", ""]
+                  (f"Identical outputs: {bleu['identical']:.4f}. Full-vocabulary output tokens held by their own "
+                   f"source's shortlist: {bleu['output_token_coverage']:.4f}."), ""]
     speed = results.get("speed")
     if speed:
-        lines += [f"## Speed: {speed['sentences']} test sources, one SlotBatch of up to {speed['rows']} rows, "
-                  "one intra-op thread", "",
-                  "| turn | variant | decoder steps s | whole replay s | steps | mean shortlist |", "|---|---|---|---|---|---|"]
-        lines += [f"| {i + 1} | {t['variant']} | {t['step_s']:.2f} | {t['replay_s']:.2f} | {t['steps']} | "
-                  f"{t.get('mean_shortlist', '-')} |" for i, t in enumerate(speed["turns"])]
-        lines += ["", "| variant | median steps s | median replay s |", "|---|---|---|"]
-        lines += [f"| {name} | {m['step_s']:.2f} | {m['replay_s']:.2f} |" for name, m in speed["median"].items()]
+        lines += [(f"## Speed: {speed['sentences']} test sources, one SlotBatch of up to {speed['rows']} rows, "
+                   "one intra-op thread"), "",
+                  "| turn | variant | decoder steps s | whole replay s | steps CPU s | replay CPU s | steps | mean shortlist |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {i + 1} | {t['variant']} | {t['step_s']:.2f} | {t['replay_s']:.2f} | {t['step_cpu_s']:.2f} | "
+                  f"{t['replay_cpu_s']:.2f} | {t['steps']} | {t.get('mean_shortlist', '-')} |"
+                  for i, t in enumerate(speed["turns"])]
+        lines += ["", "| variant | median steps s | median replay s | median steps CPU s | median replay CPU s |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {name} | {m['step_s']:.2f} | {m['replay_s']:.2f} | {m['step_cpu_s']:.2f} | {m['replay_cpu_s']:.2f} |"
+                  for name, m in speed["median"].items()]
         lines += ["", f"Identical outputs over the speed runs: {speed['identical']:.4f}.", ""]
     return "\n".join(lines) + "\n"
 
@@ -162,7 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=3, help="speed turns per variant")
     parser.add_argument("--skip", nargs="*", default=[], choices=["bleu", "speed"])
     args = parser.parse_args(argv)
-    from export.shortlist import SHORTLIST_STEP_FILE, SHORTLIST_TABLE_FILE, save_table, write_shortlist_step
+    from export.shortlist import (
+        SHORTLIST_STEP_FILE,
+        SHORTLIST_TABLE_FILE,
+        save_table,
+        write_shortlist_step,
+    )
     from model.evaluation import translation_scores
     from model.run_config import read_split
     from model.tokenizer import Tokenizer
@@ -226,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         results["speed"] = {
             "sentences": count, "rows": args.rows, "group": args.group, "turns": turns,
             "median": {name: {key: statistics.median(t[key] for t in turns if t["variant"] == name)
-                              for key in ("step_s", "replay_s")} for name in order},
+                              for key in ("step_s", "replay_s", "step_cpu_s", "replay_cpu_s")} for name in order},
             "identical": sum(a == b for a, b in zip(last[FULL], last[SHORT], strict=True)) / count,
         }
         write()

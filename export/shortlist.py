@@ -12,7 +12,10 @@ The graph: `shortlist_step_graph` rewrites a step graph (`export.step_graph`) so
 constant whose last axis is the vocabulary and that is read by the output projection or by the
 nodes between it and `logits` (the int8 graph's quantized weight [d, V], its per-channel zero
 points and scales [V]; the fp32 graph's weight [d, V]) goes through `Gather(constant, vocab,
-axis=-1)` first. With `vocab` holding every id in order it computes the original logits.
+axis=-1)` first. A [d, V] weight is stored transposed, [V, d], and gathered along its first axis
+then transposed back: a Gather along the last axis copies one element at a time, which costs
+more than the columns it saves. With `vocab` holding every id in order the graph computes the
+original logits.
 
     python -m export.shortlist table --model models/translate-en-it --data-dir DATA --out table.npz -k 20 -n 500
     python -m export.shortlist graph --step models/translate-en-it/int8/decoder_step.onnx --out DIR/decoder_step_shortlist.onnx
@@ -29,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from model.run_config import read_split
 from model.tokenizer import Tokenizer
@@ -184,13 +187,28 @@ def shortlist_step_graph(model: onnx.ModelProto) -> onnx.ModelProto:
         if name not in gathered:
             init = next(i for i in graph.initializer if i.name == name)
             gathered[name] = f"{name}.shortlist"
-            nodes.append(helper.make_node("Gather", [name, "vocab"], [gathered[name]], axis=len(init.dims) - 1,
-                                          name=f"shortlist_gather_{len(nodes)}"))
+            if len(init.dims) == 2:
+                # a (d, V) weight is stored (V, d): Gather then copies whole rows, not single
+                # elements; a Transpose gives the projection its (d, V') back
+                rows = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(init).T),
+                                               f"{name}.by_vocab")
+                graph.initializer.append(rows)
+                nodes.append(helper.make_node("Gather", [rows.name, "vocab"], [f"{rows.name}.shortlist"], axis=0,
+                                              name=f"shortlist_gather_{len(nodes)}"))
+                nodes.append(helper.make_node("Transpose", [f"{rows.name}.shortlist"], [gathered[name]],
+                                              perm=[1, 0], name=f"shortlist_transpose_{len(nodes)}"))
+            else:
+                nodes.append(helper.make_node("Gather", [name, "vocab"], [gathered[name]], axis=len(init.dims) - 1,
+                                              name=f"shortlist_gather_{len(nodes)}"))
         node.input[index] = gathered[name]
     # they read only initializers and the input: first in topological order
     rest = list(graph.node)
     del graph.node[:]
     graph.node.extend(nodes + rest)
+    used = {name for node in graph.node for name in node.input}  # a weight read only by the projection goes
+    kept = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
     graph.input.append(helper.make_tensor_value_info("vocab", TensorProto.INT64, ["shortlist"]))
     logits.type.tensor_type.shape.dim[-1].ClearField("dim_value")
     logits.type.tensor_type.shape.dim[-1].dim_param = "shortlist"

@@ -158,7 +158,12 @@ def tiny_shortlist(tiny_model_repository: Path, tmp_path_factory: pytest.TempPat
     """A vocabulary shortlist for the tiny repository's int8 variant (`export.shortlist`): its step
     graph with the `vocab` input, and a table of 2 candidates per source piece from the reversal
     training pairs (no frequent pieces: the specials EOS and UNK only). Returns (graph, table)."""
-    from export.shortlist import SHORTLIST_STEP_FILE, save_table, table_from_ids, write_shortlist_step
+    from export.shortlist import (
+        SHORTLIST_STEP_FILE,
+        save_table,
+        table_from_ids,
+        write_shortlist_step,
+    )
     from model.tokenizer import Tokenizer
     from service.repository.manifest import read_manifest
 
