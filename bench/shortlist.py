@@ -14,6 +14,10 @@ BLEU: the first `--bleu-sentences` test sources replayed through one `SlotBatch`
 with the whole vocabulary and once with the chosen table's shortlist; sacreBLEU as
 `export.quality` scores it, and the share of identical outputs.
 
+Step calls: one decoder step of `--rows` rows called alone, the step graph and the shortlist
+graph (every id, the shortlist of the first `--rows` test sources, 1,500 random ids), one call
+of each per round: the step's cost without the replay's bookkeeping.
+
 Speed: the first `--speed-sentences` test sources replayed the same way, the two variants in
 alternating turns (A B B A A B ...), `--turns` each; per turn the seconds in decoder steps
 (`generate_token`) and in the whole replay (joins included), wall clock and CPU time.
@@ -77,6 +81,37 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     return outputs, timing
 
 
+def step_calls(runtime: Any, session: Any, vocabularies: dict[str, Any], rows: int, rounds: int,
+               seed: int = 0) -> dict[str, dict[str, float]]:
+    """Milliseconds per call of one decoder step of `rows` rows (source width 32, 16 cached
+    positions, random inputs): the step graph (`vocabularies` value None) and the shortlist
+    graph for each named vocabulary, one call of each per round, the order reversed every
+    other round; the median and the fastest call of each."""
+    from service.runtime.step_buffers import CacheBuffers, run_step
+
+    rng = np.random.default_rng(seed)
+    heads, head_dim, layers = runtime.n_heads, runtime.head_dim, runtime.n_decoder_layers
+    cross = [rng.standard_normal((rows, heads, 32, head_dim)).astype(np.float32) for _ in range(2 * layers)]
+    mask = np.ones((rows, 32), dtype=bool)
+    ids = rng.integers(4, runtime.vocab_size, (rows, 1))
+    positions = np.full((rows, 1), 16, dtype=np.int64)
+    buffers = CacheBuffers(layers, rows, heads, 32, head_dim)
+    for array in buffers.arrays:
+        array[:] = rng.standard_normal(array.shape)
+    times: dict[str, list[float]] = {name: [] for name in vocabularies}
+    names = list(vocabularies)
+    for turn in range(rounds + 1):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            vocab = vocabularies[name]
+            started = time.perf_counter()
+            run_step(runtime.step if vocab is None else session, ids, positions, mask, cross, buffers, vocab)
+            if turn:  # the first round warms up
+                times[name].append(time.perf_counter() - started)
+    return {name: {"median_ms": round(1000 * statistics.median(t), 3), "min_ms": round(1000 * min(t), 3),
+                   "columns": runtime.vocab_size if vocabularies[name] is None else len(vocabularies[name])}
+            for name, t in times.items()}
+
+
 def _coverage(args: argparse.Namespace, tokenizer: Any, test_sources: list[list[int]],
               test_targets: list[list[int]]) -> tuple[dict[str, Any], Any]:
     """Coverage of every (score, K, N) on the test split; the chosen table."""
@@ -135,6 +170,13 @@ def _markdown(results: dict[str, Any]) -> str:
                   f"| shortlist | {bleu[SHORT]['bleu']} | {bleu[SHORT]['chrf']} |", "",
                   (f"Identical outputs: {bleu['identical']:.4f}. Full-vocabulary output tokens held by their own "
                    f"source's shortlist: {bleu['output_token_coverage']:.4f}."), ""]
+    calls = results.get("calls")
+    if calls:
+        lines += [f"## One decoder step of {calls['rows']} rows, {calls['rounds']} calls each (interleaved)", "",
+                  "| graph / vocabulary | columns | median ms | fastest ms |", "|---|---|---|---|"]
+        lines += [f"| {name} | {v['columns']} | {v['median_ms']:.2f} | {v['min_ms']:.2f} |"
+                  for name, v in calls["variants"].items()]
+        lines.append("")
     speed = results.get("speed")
     if speed:
         lines += [(f"## Speed: {speed['sentences']} test sources, one SlotBatch of up to {speed['rows']} rows, "
@@ -168,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--group", type=int, default=4, help="sources per join")
     parser.add_argument("--turns", type=int, default=3, help="speed turns per variant")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["bleu", "speed"])
+    parser.add_argument("--calls", type=int, default=200, help="rounds of single step calls")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["bleu", "speed", "calls"])
     args = parser.parse_args(argv)
     from export.shortlist import (
         SHORTLIST_STEP_FILE,
@@ -224,6 +267,16 @@ def main(argv: list[str] | None = None) -> int:
         bleu["output_token_coverage"] = held / max(total, 1)
         results["bleu"] = bleu
         print(json.dumps(bleu), flush=True)
+        write()
+    if "calls" not in args.skip:
+        rng = np.random.default_rng(0)
+        batch_vocab = table.shortlist(sources[:args.rows])
+        vocabularies = {FULL: None, "shortlist graph, every id": np.arange(runtime.vocab_size, dtype=np.int64),
+                        f"shortlist of the first {args.rows} test sources": batch_vocab,
+                        "1500 random ids": np.sort(rng.choice(runtime.vocab_size, 1500, replace=False)).astype(np.int64)}
+        results["calls"] = {"rows": args.rows, "rounds": args.calls,
+                            "variants": step_calls(runtime, shortlist.session, vocabularies, args.rows, args.calls)}
+        print(json.dumps(results["calls"]), flush=True)
         write()
     if "speed" not in args.skip:
         count = args.speed_sentences
