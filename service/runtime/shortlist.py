@@ -65,7 +65,9 @@ class ShortlistTable:
 
 @dataclass
 class Shortlist:
-    """The step graph with the `vocab` input (its session) and the table that fills it."""
+    """The step graph with the `vocab` input (its session) and the table that fills it; the
+    graph is made from the runtime's own step graph (`export.shortlist.write_shortlist_step`),
+    so the logits it computes are those columns of the runtime's."""
 
     session: ort.InferenceSession
     table: ShortlistTable
