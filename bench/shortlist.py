@@ -15,7 +15,8 @@ with the whole vocabulary and once with the chosen table's shortlist; sacreBLEU 
 `export.quality` scores it, and the share of identical outputs.
 
 Step calls: one decoder step of `--rows` rows called alone, the step graph and the shortlist
-graph (every id, the shortlist of the first `--rows` test sources, 1,500 random ids), one call
+graph (every id, the shortlist of the first `--rows` test sources, 1,500 random ids or
+3/16 of a smaller vocabulary), one call
 of each per round: the step's cost without the replay's bookkeeping.
 
 Speed: the first `--speed-sentences` test sources replayed the same way, the two variants in
@@ -272,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     if "calls" not in args.skip:
         rng = np.random.default_rng(0)
         batch_vocab = table.shortlist(sources[:args.rows])
+        few = min(1500, runtime.vocab_size * 3 // 16)
         vocabularies = {FULL: None, "shortlist graph, every id": np.arange(runtime.vocab_size, dtype=np.int64),
                         f"shortlist of the first {args.rows} test sources": batch_vocab,
-                        "1500 random ids": np.sort(rng.choice(runtime.vocab_size, 1500, replace=False)).astype(np.int64)}
+                        f"{few} random ids": np.sort(rng.choice(runtime.vocab_size, few, replace=False)).astype(np.int64)}
         results["calls"] = {"rows": args.rows, "rounds": args.calls,
                             "variants": step_calls(runtime, shortlist.session, vocabularies, args.rows, args.calls)}
         print(json.dumps(results["calls"]), flush=True)
