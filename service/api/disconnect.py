@@ -41,6 +41,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T], model: str) 
         for pending in (task, watcher):
             if not pending.done():
                 pending.cancel()
+            elif not pending.cancelled():
+                pending.exception()  # retrieved: the work may have failed as this wait was cancelled
 
 
 async def _until_disconnect(request: Request) -> None:
