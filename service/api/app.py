@@ -120,6 +120,7 @@ def create_app(
             allow_headers=["Authorization", "Content-Type", TIMEOUT_HEADER],
         )
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
+    app.add_middleware(ShedMiddleware, registry=registry, settings=settings)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
     inference = [Depends(require_api_key), Depends(require_json)]
     for router in (generate.router, attention.router):
@@ -274,6 +275,54 @@ class BodyTimeoutMiddleware:
             return message
 
         await self.app(scope, receive_in_time, send)
+
+
+SHED_PATHS = {"/v1/translate": "translate", "/v1/summarize": "summarize"}  # path -> task
+
+
+class ShedMiddleware:
+    """Refuse a generation request at once, before its body is read, when every model of its
+    task would refuse it anyway (`BatcherPool.out_of_reach`: the queue full, or even one row
+    not done within the deadline at the rate the model is finishing rows): 429 with
+    `Retry-After`, counted `rejected_total{reason="queue_full"|"expected_wait"}`. The deadline is the
+    `X-Request-Timeout-Ms` header's when given, else `request_timeout_s`. An overloaded server
+    spends on such a request what the HTTP layer costs, not the parsing, validation and
+    tokenization of its body, and keeps its event loop for the requests it can serve."""
+
+    def __init__(self, app: ASGIApp, registry: ModelRegistry, settings: Settings) -> None:
+        self.app = app
+        self.registry = registry
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = SHED_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        shed = self._shed(task, scope) if task is not None and scope.get("method") == "POST" else None
+        if shed is not None and shed[1] != "draining":  # draining: the route answers 503
+            model, reason = shed
+            metrics.REJECTED_TOTAL.labels(model, reason).inc()
+            message = ("the queue is full" if reason == "queue_full" else
+                       "the request would not be done within its deadline")
+            response = error_response(429, f"every {task} model is overloaded ({message}); retry later",
+                                      "overloaded", {"Retry-After": str(self.settings.retry_after_s)})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _shed(self, task: str, scope: Scope) -> tuple[str, str] | None:
+        """(the task's first model, why it would refuse) when every model of `task` would
+        refuse a one-row request, else None."""
+        budget_s = self.settings.request_timeout_s
+        for name, value in scope.get("headers", []):
+            if name.lower() == TIMEOUT_HEADER.lower().encode():
+                text = value.decode("latin-1").strip()
+                if text.isascii() and text.isdigit() and len(text) <= 12 and int(text) > 0:
+                    budget_s = min(budget_s, int(text) / 1000)  # else 422 from the route
+        entries = [e for e in self.registry.entries
+                   if e.task == task and e.state == "ready" and e.batcher is not None]
+        reasons = [e.batcher.out_of_reach(budget_s) for e in entries if e.batcher is not None]
+        if not reasons or not all(reasons):
+            return None
+        return entries[0].name, str(reasons[0])
 
 
 class ConcurrencyLimitMiddleware:

@@ -2,7 +2,11 @@
 
 A request's rows (one per text) enter together or not at all: `NotReady` (503) once the queue
 stops accepting (draining), `Overloaded` (429) when they would exceed `max_queue_size` (calls
-of `Batcher.run` waiting count against it too). A row may carry a deadline (`perf_counter`
+of `Batcher.run` waiting count against it too), or when they are expected to take more than
+`DEADLINE_SHARE` of the time left to the request's deadline at the rate the batcher has been
+finishing rows (`DrainRate`: the rows ahead of them, queued and decoding, and their own,
+divided by the rows finished per second over the last seconds). Refusing those at once keeps an overloaded server doing work that meets its
+deadlines instead of starting rows that time out. A row may carry a deadline (`perf_counter`
 seconds): one still queued when it passes fails with `DeadlineExceeded` and never reaches the
 model. Rows leave the queue when a batch takes them, when their request cancels them, or, done
 already, when they reach its head.
@@ -41,6 +45,42 @@ class QueuedRow:
         return self.future.done()
 
 
+# The share of a request's remaining time its rows may be expected to take (`expected_s`); the
+# rest is left for what the estimate does not see (reading and answering the request while the
+# event loop is busy, a slower step than the recent ones).
+DEADLINE_SHARE = 0.5
+
+
+class DrainRate:
+    """Rows a batcher finished per second over the last `window_s` seconds; None until at least
+    `min_rows` rows finished in that window, spread over at least a quarter of it (too few to
+    tell, e.g. after an idle spell)."""
+
+    def __init__(self, window_s: float = 5.0, min_rows: int = 16) -> None:
+        self.window_s = window_s
+        self.min_rows = min_rows
+        self._finished: deque[tuple[float, int]] = deque()  # (perf_counter, rows)
+        self._rows = 0
+
+    def record(self, rows: int, now: float) -> None:
+        """`rows` rows finished at `now`."""
+        self._finished.append((now, rows))
+        self._rows += rows
+        self._trim(now)
+
+    def rate(self, now: float) -> float | None:
+        """Rows per second, or None (see the class)."""
+        self._trim(now)
+        if self._rows < self.min_rows:
+            return None
+        span = now - self._finished[0][0]
+        return self._rows / span if span >= self.window_s / 4 else None
+
+    def _trim(self, now: float) -> None:
+        while self._finished and self._finished[0][0] < now - self.window_s:
+            self._rows -= self._finished.popleft()[1]
+
+
 class AdmissionQueue:
     """The rows of one batcher waiting for a batch, oldest first."""
 
@@ -50,6 +90,7 @@ class AdmissionQueue:
         self.accepting = True
         self._rows: deque[QueuedRow] = deque()
         self._on_change = on_change  # called whenever the number of queued rows changes
+        self.drain = DrainRate()  # the batcher records the rows it finishes
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -61,14 +102,42 @@ class AdmissionQueue:
     def head(self) -> QueuedRow | None:
         return self._rows[0] if self._rows else None
 
-    def check_room(self, rows: int, reserved: int = 0) -> None:
-        """Raise (and count) unless `rows` more rows fit beside `reserved` other waiting work."""
+    def check_room(self, rows: int, reserved: int = 0, deadline: float | None = None,
+                   in_flight: int = 0) -> None:
+        """Raise (and count) unless `rows` more rows fit beside `reserved` other waiting work,
+        and, with a `deadline`, could be done by then behind the queue and the `in_flight` rows
+        decoding, at the drain rate."""
         if not self.accepting:
             metrics.REJECTED_TOTAL.labels(self.model, "draining").inc()
             raise NotReady("the server is shutting down")
-        if len(self._rows) + reserved + rows > self.limits.max_queue_size:
+        ahead = len(self._rows) + reserved
+        if ahead + rows > self.limits.max_queue_size:
             metrics.REJECTED_TOTAL.labels(self.model, "queue_full").inc()
             raise Overloaded(f"the queue of model {self.model!r} is full", self.limits.retry_after_s)
+        if deadline is not None:
+            now = time.perf_counter()
+            expected = self.expected_s(rows, in_flight, now, reserved)
+            if expected is not None and expected > DEADLINE_SHARE * (deadline - now):
+                metrics.REJECTED_TOTAL.labels(self.model, "expected_wait").inc()
+                raise Overloaded(f"model {self.model!r} would not finish these rows within the deadline "
+                                 f"({ahead + in_flight} rows ahead)", self.limits.retry_after_s)
+
+    def expected_s(self, rows: int, in_flight: int, now: float, reserved: int = 0) -> float | None:
+        """Seconds until `rows` more rows would be done behind the queue and the `in_flight`
+        rows decoding, at the drain rate; None while the rate is unknown."""
+        rate = self.drain.rate(now)
+        return None if rate is None else (len(self._rows) + reserved + in_flight + rows) / rate
+
+    def out_of_reach(self, budget_s: float, in_flight: int) -> str | None:
+        """Why one more row would be refused ("draining", "queue_full", or "expected_wait":
+        expected to take more than `DEADLINE_SHARE` of `budget_s` at the drain rate), or None
+        when it would be taken."""
+        if not self.accepting:
+            return "draining"
+        if len(self._rows) + 1 > self.limits.max_queue_size:
+            return "queue_full"
+        expected = self.expected_s(1, in_flight, time.perf_counter())
+        return "expected_wait" if expected is not None and expected > DEADLINE_SHARE * budget_s else None
 
     def admit(self, rows: list[QueuedRow]) -> None:
         """Append one request's rows (after `check_room`)."""

@@ -134,6 +134,11 @@ class Batcher:
         """The largest group rows join the running batch in (a quarter of `max_batch_size`)."""
         return self.limits.join_rows
 
+    def out_of_reach(self, budget_s: float) -> str | None:
+        """Why a one-row request with `budget_s` seconds would be refused now (`AdmissionQueue.
+        out_of_reach`), or None."""
+        return self._queue.out_of_reach(budget_s, self.running)
+
     @property
     def running(self) -> int:
         """Rows of the batch now generating that are not cancelled."""
@@ -188,7 +193,7 @@ class Batcher:
         `hooks`, one per source, make rows streamed (`RowHooks`); a row without gets its own
         (its cancel flag).
         """
-        self._queue.check_room(len(sources))
+        self._queue.check_room(len(sources), deadline=deadline, in_flight=self.running)
         loop = asyncio.get_running_loop()
         key = RowKey(beam_size, max_new_tokens)
         given = list(hooks) if hooks is not None else [None] * len(sources)
@@ -400,6 +405,7 @@ class Batcher:
     def _finish(self, finished: Sequence[tuple[QueuedRow, Generated]], now: float) -> None:
         """Event loop: resolve the futures of rows that left the running batch."""
         done = set(map(id, (row for row, _ in finished)))
+        self._queue.drain.record(len(finished), now)
         self._decoding = [row for row in self._decoding if id(row) not in done]
         for row, result in finished:
             self._observe(row, result, now - row.started_at)
@@ -435,6 +441,7 @@ class Batcher:
             return
         self._running = []
         elapsed = time.perf_counter() - started
+        self._queue.drain.record(len(rows), started + elapsed)
         for row, result in zip(rows, results, strict=True):
             self._observe(row, result, elapsed)
             if not row.future.done():

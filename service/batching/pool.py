@@ -95,6 +95,12 @@ class BatcherPool:
 
         return min(near, key=distance)
 
+    def out_of_reach(self, budget_s: float) -> str | None:
+        """Why every batcher would refuse a one-row request with `budget_s` seconds (the first
+        batcher's reason), or None when one would take it."""
+        reasons = [b.out_of_reach(budget_s) for b in self.batchers]
+        return reasons[0] if reasons and all(reasons) else None
+
     def _pick_for(self, sources: list[list[int]]) -> Batcher:
         return self._pick(len(sources), sum(map(len, sources)) / len(sources) if sources else None)
 

@@ -113,7 +113,7 @@ GENERATED_TOKENS_TOTAL = Counter(
 REJECTED_TOTAL = Counter(
     "attnserve_rejected_total",
     "Requests dropped before or during inference, by reason "
-    "(queue_full, deadline, disconnected, draining).",
+    "(queue_full, expected_wait, deadline, disconnected, draining).",
     ["model", "reason"],
     registry=REGISTRY,
 )

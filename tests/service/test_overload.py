@@ -86,6 +86,33 @@ async def test_k_extra_requests_get_429_fast_and_the_accepted_ones_succeed(
     assert all(r.status_code == 200 for r in accepted)
 
 
+async def test_with_the_queue_full_a_request_is_refused_before_its_body_is_read(
+    make_app: AppFactory, fake_model: FakeModel
+) -> None:
+    app = make_app(max_queue_size=2, max_texts=1, max_batch_size=2)
+    async with serving(app) as client:
+        running = await hold_the_worker(client, fake_model)
+        queued = [asyncio.ensure_future(client.post("/v1/translate", json={"text": f"queued {chr(97 + i)}"}))
+                  for i in range(2)]
+        for _ in range(1000):
+            if queue_depth() >= 2:
+                break
+            await asyncio.sleep(0.005)
+        before = rejected("queue_full")
+        # not even JSON: a request that reached the route would get 422
+        refused = await client.post("/v1/translate", content=b"{not json",
+                                    headers={"Content-Type": "application/json"})
+        counted = rejected("queue_full") - before
+        assert fake_model.gate is not None
+        fake_model.gate.set()
+        answered = await asyncio.gather(*queued)
+        assert [r.status_code for r in answered] == [200, 200], [r.text for r in answered]
+        assert (await running).status_code == 200
+    assert_error(refused, 429, "overloaded")
+    assert "queue is full" in refused.json()["error"]
+    assert counted == 1
+
+
 @pytest.mark.parametrize("how", ["header", "field"])
 async def test_a_request_queued_past_its_deadline_gets_504_and_never_runs(
     make_app: AppFactory, fake_model: FakeModel, how: str

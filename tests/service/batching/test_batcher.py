@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -239,4 +240,41 @@ async def test_cancel_a_queued_row_and_a_running_row() -> None:
     assert cancelled_rows("b-cancel-stages", "decoding") == decoding_before + 1
     assert await batcher.submit([source(3)], 1, 10) == [reverse(source(3), 10)]
     assert model.batches == [[31], [4]]  # the queued row never ran
+    await batcher.close(1)
+
+
+def test_the_drain_rate_is_rows_per_second_over_its_window_once_it_has_enough() -> None:
+    from service.batching.admission import DrainRate
+
+    drain = DrainRate(window_s=4.0, min_rows=10)
+    assert drain.rate(100.0) is None
+    for i in range(8):  # 5 rows every 0.25 s: 20 rows/s
+        drain.record(5, 100.0 + 0.25 * i)
+    assert drain.rate(101.75) == pytest.approx(40 / 1.75)
+    drain.record(5, 102.0)
+    assert drain.rate(102.0) == pytest.approx(45 / 2.0)
+    assert drain.rate(106.5) is None  # all but the last 2 s of records left the window: too few rows
+    few = DrainRate(window_s=4.0, min_rows=10)
+    few.record(20, 50.0)
+    few.record(20, 50.5)
+    assert few.rate(50.5) is None  # 40 rows, but over less than a quarter of the window
+
+
+async def test_rows_that_would_miss_their_deadline_at_the_drain_rate_are_refused_at_once() -> None:
+    model = FakeModel(delay_s=0.05)
+    batcher = make(model, "b-drain", max_batch_size=2, max_wait_s=0.001)
+    await asyncio.gather(*(batcher.submit([source(3)], 1, 10) for _ in range(60)))  # ~40 rows/s for 1.5 s
+    rate = batcher._queue.drain.rate(time.perf_counter())
+    assert rate is not None and 20 < rate < 60
+    refused = metrics.REJECTED_TOTAL.labels("b-drain", "expected_wait")
+    before = refused._value.get()
+    now = time.perf_counter()
+    # ten rows need about a quarter of a second at that rate: a tenth of a second is too short
+    with pytest.raises(Overloaded, match="within the deadline"):
+        await batcher.submit([source(3)] * 10, 1, 10, deadline=now + 0.1)
+    assert refused._value.get() == before + 1
+    assert await batcher.submit([source(3)] * 10, 1, 10, deadline=now + 5.0)  # time enough: served
+    # what the HTTP layer asks before reading a body: would one row be refused?
+    assert batcher.out_of_reach(0.001) == "expected_wait"
+    assert batcher.out_of_reach(5.0) is None
     await batcher.close(1)
