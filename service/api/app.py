@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.auth import require_api_key
 from service.api.deadline import HEADER as TIMEOUT_HEADER
+from service.api.deadline import header_ms
 from service.api.errors import error_response, install_error_handlers
 from service.api.media_type import require_json
 from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
@@ -314,9 +315,9 @@ class ShedMiddleware:
         budget_s = self.settings.request_timeout_s
         for name, value in scope.get("headers", []):
             if name.lower() == TIMEOUT_HEADER.lower().encode():
-                text = value.decode("latin-1").strip()
-                if text.isascii() and text.isdigit() and len(text) <= 12 and int(text) > 0:
-                    budget_s = min(budget_s, int(text) / 1000)  # else 422 from the route
+                asked_ms = header_ms(value.decode("latin-1"))  # None: 422 from the route
+                if asked_ms is not None:
+                    budget_s = min(budget_s, asked_ms / 1000)
         entries = [e for e in self.registry.entries
                    if e.task == task and e.state == "ready" and e.batcher is not None]
         reasons = [e.batcher.out_of_reach(budget_s) for e in entries if e.batcher is not None]

@@ -50,12 +50,20 @@ def request_deadline(
     return Deadline(at=started + budget_s, budget_s=budget_s)
 
 
+def header_ms(value: str) -> int | None:
+    """The milliseconds of an `X-Request-Timeout-Ms` value: a whole number of at most
+    `MAX_HEADER_CHARS` digits, at least 1; None for anything else."""
+    value = value.strip()
+    if not value.isascii() or not value.isdigit() or len(value) > MAX_HEADER_CHARS or int(value) < 1:
+        return None
+    return int(value)
+
+
 def _header_ms(request: Request) -> int | None:
     value = request.headers.get(HEADER)
     if value is None:
         return None
-    value = value.strip()
-    if not value.isascii() or not value.isdigit() or len(value) > MAX_HEADER_CHARS \
-            or int(value) < 1:
+    parsed = header_ms(value)
+    if parsed is None:
         raise InvalidInput(f"{HEADER}: a whole number of milliseconds, at least 1, is needed")
-    return int(value)
+    return parsed

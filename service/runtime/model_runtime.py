@@ -49,6 +49,7 @@ from service.runtime.providers import (
     VARIANT_PREFERENCE,
     cuda_unavailable_reason,
     prepare_cuda,
+    session_options,
 )
 from service.runtime.row_gather import RowGather
 from service.runtime.shortlist import Shortlist
@@ -415,25 +416,7 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
                                                       ort.InferenceSession | None]:
     """Encoder, decoder and (when the variant has one) step-graph sessions; a step graph that
     cannot load on a provider other than the CPU is left out (None), not an error."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1  # sequential executor: one graph call uses intra-op threads only
-    # Without the arena each call's buffers go back to the allocator: the arena keeps the largest
-    # batch's buffers for good (a server's RSS then follows its worst batch).
-    options.enable_cpu_mem_arena = memory_arena
-    if fold_dequantize:
-        # onnxruntime leaves DequantizeLinear of constant weights unfolded so that QDQ fusions can
-        # see them. Our int8 graphs are dynamically quantized (no QDQ fusion applies), and one such
-        # node, for the output projection tied to the embedding, would rebuild its 2M float
-        # weights at every decoder step. Without the QDQ passes, constant folding does it once:
-        # the same tokens, a faster step (bench/results/decoder_profile_cpu.json).
-        options.add_session_config_entry("session.disable_quant_qdq", "1")
-    if profile_prefix is not None:
-        options.enable_profiling = True
-        options.profile_file_prefix = profile_prefix
-    if not spinning:  # idle intra-op threads sleep instead of busy-waiting for the next call
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options = session_options(threads, spinning, memory_arena, fold_dequantize, profile_prefix)
     providers = [provider] if provider == CPU else [provider, CPU]
     paths = [variant.encoder, variant.decoder]
     if variant.step_decoder:

@@ -59,3 +59,30 @@ def cuda_unavailable_reason(library: Path | None = None) -> str | None:
     except OSError as error:
         return f"{library.name} cannot load: {error}"
     return None
+
+
+def session_options(threads: int, spinning: bool = True, memory_arena: bool = True,
+                    fold_dequantize: bool = False, profile_prefix: str | None = None) -> ort.SessionOptions:
+    """The options of every model session: all graph optimizations, `threads` intra-op threads
+    and a sequential executor, the CPU arena as asked, constant folding of dequantized weights
+    (`fold_dequantize`, int8 graphs), optional profiling and sleeping idle threads."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1  # sequential executor: one graph call uses intra-op threads only
+    # Without the arena each call's buffers go back to the allocator: the arena keeps the largest
+    # batch's buffers for good (a server's RSS then follows its worst batch).
+    options.enable_cpu_mem_arena = memory_arena
+    if fold_dequantize:
+        # onnxruntime leaves DequantizeLinear of constant weights unfolded so that QDQ fusions can
+        # see them. Our int8 graphs are dynamically quantized (no QDQ fusion applies), and one such
+        # node, for the output projection tied to the embedding, would rebuild its 2M float
+        # weights at every decoder step. Without the QDQ passes, constant folding does it once:
+        # the same tokens, a faster step (bench/results/decoder_profile_cpu.json).
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    if not spinning:  # idle intra-op threads sleep instead of busy-waiting for the next call
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options

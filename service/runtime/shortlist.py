@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from service.runtime.providers import session_options
+
 TABLE_KEYS = ("candidates", "always")
 
 
@@ -78,14 +80,7 @@ class Shortlist:
         """A CPU session of the shortlist step graph (the options `ModelRuntime` gives its int8
         sessions: all graph optimizations, constant folding of the dequantized weights) and its
         table; the graph's vocabulary must be the table's."""
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.enable_cpu_mem_arena = memory_arena
-        options.add_session_config_entry("session.disable_quant_qdq", "1")
-        if not spinning:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options = session_options(threads, spinning, memory_arena, fold_dequantize=True)
         session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         if "vocab" not in {i.name for i in session.get_inputs()}:
             raise ValueError(f"{graph}: the step graph has no `vocab` input (export.shortlist makes it)")
