@@ -4,7 +4,9 @@ The lifespan starts loading the models in the background (the app answers `/heal
 once and turns ready when they are loaded; one of several `--workers` processes instead waits
 for them before it accepts connections) and, at shutdown, drains the batchers. ASGI
 middlewares sit around the routes, outermost first: one records `requests_total` and
-`request_duration_seconds` by route template (never the raw path); one answers 408 when a
+`request_duration_seconds` by route template (never the raw path); one refuses a generation
+request every model of its task would refuse, before its body is read (`service.api.shed`);
+one answers 408 when a
 request's body has not arrived within `body_timeout_s`; one answers 429 beyond
 `max_large_responses` concurrent `/v1/attention` requests, whose responses run to megabytes and
 are held until the client has read them; one refuses bodies over `max_body_bytes` with a 413,
@@ -37,10 +39,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.auth import require_api_key
 from service.api.deadline import HEADER as TIMEOUT_HEADER
-from service.api.deadline import header_ms
 from service.api.errors import error_response, install_error_handlers
 from service.api.media_type import require_json
 from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
+from service.api.shed import SHED_STATE, Shedder, ShedMiddleware
 from service.core.registry import (
     GeneratorFactory,
     Loader,
@@ -84,8 +86,10 @@ def create_app(
         settings, loader or onnx_loader(settings), generator or onnx_generator(settings), running_batch
     )
 
+    shedder = Shedder(registry, settings)
+
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         registry.start()
         if settings.fail_on_model_error:
             await _refuse_failed_models(registry)
@@ -95,7 +99,7 @@ def create_app(
             # its models are loaded, while the others serve.
             await registry.wait_settled()
         try:
-            yield
+            yield {SHED_STATE: shedder}  # the server's protocol sheds with it (service.api.shed)
         finally:
             await registry.close(settings.drain_timeout_s)
 
@@ -121,7 +125,7 @@ def create_app(
             allow_headers=["Authorization", "Content-Type", TIMEOUT_HEADER],
         )
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
-    app.add_middleware(ShedMiddleware, registry=registry, settings=settings)
+    app.add_middleware(ShedMiddleware, shedder=shedder)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
     inference = [Depends(require_api_key), Depends(require_json)]
     for router in (generate.router, attention.router):
@@ -170,9 +174,10 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_record_status)
         finally:
-            route = scope.get("route")
-            template = getattr(route, "path", None) or UNMATCHED_ROUTE
-            model = str(scope.get("state", {}).get("model", ""))
+            state = scope.get("state", {})
+            # the matched route's template; a request shed before routing names its route
+            template = getattr(scope.get("route"), "path", None) or state.get("route") or UNMATCHED_ROUTE
+            model = str(state.get("model", ""))
             metrics.REQUESTS_TOTAL.labels(template, model, metrics.status_class(status)).inc()
             metrics.REQUEST_DURATION_SECONDS.labels(template, model).observe(
                 time.perf_counter() - started
@@ -276,54 +281,6 @@ class BodyTimeoutMiddleware:
             return message
 
         await self.app(scope, receive_in_time, send)
-
-
-SHED_PATHS = {"/v1/translate": "translate", "/v1/summarize": "summarize"}  # path -> task
-
-
-class ShedMiddleware:
-    """Refuse a generation request at once, before its body is read, when every model of its
-    task would refuse it anyway (`BatcherPool.out_of_reach`: the queue full, or even one row
-    not done within the deadline at the rate the model is finishing rows): 429 with
-    `Retry-After`, counted `rejected_total{reason="queue_full"|"expected_wait"}`. The deadline is the
-    `X-Request-Timeout-Ms` header's when given, else `request_timeout_s`. An overloaded server
-    spends on such a request what the HTTP layer costs, not the parsing, validation and
-    tokenization of its body, and keeps its event loop for the requests it can serve."""
-
-    def __init__(self, app: ASGIApp, registry: ModelRegistry, settings: Settings) -> None:
-        self.app = app
-        self.registry = registry
-        self.settings = settings
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = SHED_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
-        shed = self._shed(task, scope) if task is not None and scope.get("method") == "POST" else None
-        if shed is not None and shed[1] != "draining":  # draining: the route answers 503
-            model, reason = shed
-            metrics.REJECTED_TOTAL.labels(model, reason).inc()
-            message = ("the queue is full" if reason == "queue_full" else
-                       "the request would not be done within its deadline")
-            response = error_response(429, f"every {task} model is overloaded ({message}); retry later",
-                                      "overloaded", {"Retry-After": str(self.settings.retry_after_s)})
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-    def _shed(self, task: str, scope: Scope) -> tuple[str, str] | None:
-        """(the task's first model, why it would refuse) when every model of `task` would
-        refuse a one-row request, else None."""
-        budget_s = self.settings.request_timeout_s
-        for name, value in scope.get("headers", []):
-            if name.lower() == TIMEOUT_HEADER.lower().encode():
-                asked_ms = header_ms(value.decode("latin-1"))  # None: 422 from the route
-                if asked_ms is not None:
-                    budget_s = min(budget_s, asked_ms / 1000)
-        entries = [e for e in self.registry.entries
-                   if e.task == task and e.state == "ready" and e.batcher is not None]
-        reasons = [e.batcher.out_of_reach(budget_s) for e in entries if e.batcher is not None]
-        if not reasons or not all(reasons):
-            return None
-        return entries[0].name, str(reasons[0])
 
 
 class ConcurrencyLimitMiddleware:

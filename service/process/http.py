@@ -14,7 +14,11 @@ else h11) that every server of `attnserve serve` uses:
   closed at once (uvicorn's `limit_concurrency` accepts it and answers in plain text only
   once its headers arrive, so a slow client would still hold it);
 - **the error body**: a request the parser refuses (a malformed request line, `Content-Length:
-  -1`, ...) gets the service's JSON error body instead of uvicorn's plain text.
+  -1`, ...) gets the service's JSON error body instead of uvicorn's plain text;
+- **shedding in the parser** (httptools' protocol): a generation request that every model of its
+  task would refuse (`service.api.shed.Shedder`, found in the lifespan state) is answered 429 as
+  soon as its headers are complete, without starting the app; the parser discards its body and
+  the connection stays open for the next request, under the header timeout meanwhile.
 
 Each refusal is counted in `attnserve_connections_refused_total{reason}`, and
 `attnserve_open_connections` follows the open connections. The body's own deadline
@@ -28,12 +32,14 @@ import asyncio
 import functools
 import json
 import math
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from service.api.shed import SHED_STATE, Refusal
 from service.core.settings import Settings
 from service.observability import metrics
 
@@ -81,6 +87,8 @@ class Guards:
     connections: set[Any]
     transport: Any
     loop: asyncio.AbstractEventLoop
+    app_state: dict[str, Any]
+    server_state: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -88,6 +96,7 @@ class Guards:
         self._header_timer: asyncio.TimerHandle | None = None
         self._header_bytes = 0  # received while waiting for the current request's headers
         self._seen_cycle: Any = None  # the request whose headers were complete last
+        self._discarding: Any = None  # a shed request whose body is still arriving
 
     # ---- asyncio.Protocol
 
@@ -101,6 +110,10 @@ class Guards:
         self._wait_for_headers()
 
     def data_received(self, data: bytes) -> None:
+        # bytes count toward the next request's headers when it was awaited before they came
+        # and no request's headers completed in them (not a shed request's body)
+        counting = self._header_timer is not None and self._discarding is None
+        cycle = self.cycle
         super().data_received(data)  # type: ignore[misc]  # uvicorn's protocol, after this mixin
         if self.transport.is_closing():
             self._stop_waiting()
@@ -108,7 +121,7 @@ class Guards:
         if self.cycle is not None and self.cycle is not self._seen_cycle:
             self._seen_cycle = self.cycle  # a request's headers are complete
             self._stop_waiting()
-        elif self._header_timer is not None:
+        elif counting and self.cycle is cycle and self._header_timer is not None:
             self._header_bytes += len(data)
             if self._header_bytes > self.guard.max_header_bytes:
                 self._refuse(431, f"request headers over {self.guard.max_header_bytes} bytes",
@@ -130,6 +143,21 @@ class Guards:
         elif self.cycle is not None and self.cycle.response_complete \
                 and not getattr(self, "pipeline", None):
             self._wait_for_headers()  # idle, or the next request's headers are incomplete
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        """httptools' protocol starts the app for a request whose headers are complete: a shed
+        request is answered here instead."""
+        shedder = self.app_state.get(SHED_STATE)
+        refusal = shedder.refusal(cycle.scope) if shedder is not None else None
+        if refusal is None:
+            super()._start_asgi_task(cycle, app)  # type: ignore[misc]  # httptools' protocol
+            return
+        self._answer(cycle, refusal)
+
+    def on_message_complete(self) -> None:
+        if self._discarding is not None and self.cycle is self._discarding:
+            self._discarding = None  # from now on bytes are the next request's
+        super().on_message_complete()  # type: ignore[misc]  # httptools' protocol
 
     def send_400_response(self, msg: str) -> None:
         """The parser refused the request: the error body, then close."""
@@ -161,6 +189,30 @@ class Guards:
         else:  # nothing sent: a silent connection, or an idle keep-alive one
             metrics.CONNECTIONS_REFUSED_TOTAL.labels("header_timeout").inc()
             self.transport.close()
+
+    def _answer(self, cycle: Any, refusal: Refusal) -> None:
+        """Send `refusal` as the whole response of `cycle` (whose body the parser then
+        discards), counted as the app's middleware counts a request; the connection stays open
+        unless the request asked otherwise or waits for a `100 Continue` before its body."""
+        started = time.perf_counter()
+        keep_alive = cycle.keep_alive and not cycle.waiting_for_100_continue
+        head = [f"HTTP/1.1 {refusal.status} {HTTPStatus(refusal.status).phrase}\r\n".encode("ascii")]
+        for name, value in [*self.server_state.default_headers, *refusal.headers]:
+            head += [name, b": ", value, b"\r\n"]
+        if not keep_alive:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        cycle.response_started = cycle.response_complete = True
+        cycle.message_event.set()
+        self.transport.write(b"".join([*head, refusal.body]))
+        metrics.REQUESTS_TOTAL.labels(refusal.route, refusal.model, metrics.status_class(refusal.status)).inc()
+        metrics.REQUEST_DURATION_SECONDS.labels(refusal.route, refusal.model).observe(
+            time.perf_counter() - started)
+        if not keep_alive:
+            self.transport.close()
+        self._discarding = cycle
+        self._seen_cycle = cycle  # the next request's headers are awaited (`on_response_complete`)
+        self.on_response_complete()
 
     def _refuse(self, status: int, message: str, error_type: str, reason: str) -> None:
         self._stop_waiting()
