@@ -46,6 +46,9 @@ VARIANTS: dict[str, list[str]] = {
     "one batch worker (one running batch on all cores)": ["--batch-workers", "1"],
     "three batch workers": ["--batch-workers", "3"],
     "four batch workers": ["--batch-workers", "4"],
+    # each process has its own models, event loop and interpreter lock (`--workers`)
+    "two server processes, one batch worker and thread each": [
+        "--workers", "2", "--batch-workers", "1", "--threads", "1"],
     "batch workers take the least loaded, not by length": ["--no-length-routing"],
     "request-level (dynamic) batching": ["--no-continuous-batching"],
     "request-level batching, two batch workers": ["--no-continuous-batching", "--batch-workers", "2"],
