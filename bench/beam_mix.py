@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import loadgen, machine
+from bench import machine
+from bench.load import LoadResult, arrival_times, client, closed_loop, request, text_bodies
 from bench.servers import ServerProcess, free_port, service_command
 from bench.workload import read_lines
 
@@ -40,29 +41,27 @@ def beam_requests(count: int, share: float, seed: int) -> list[bool]:
 
 async def mixed_open_loop(url: str, texts: Sequence[str], rate: float, duration_s: float, beams: Sequence[bool],
                           beam_size: int, with_beam: bool, seed: int, first_text: int = 0
-                          ) -> tuple[loadgen.LoadResult, loadgen.LoadResult]:
+                          ) -> tuple[LoadResult, LoadResult]:
     """Poisson arrivals at `rate` for `duration_s`; request i asks for beam search when
     `beams[i]` (left out entirely unless `with_beam`). Returns (greedy, beam) results; latencies
     count from the scheduled arrival."""
-    offsets = loadgen.arrival_times(rate, len(beams), seed)
-    offsets = [o for o in offsets if o < duration_s]
-    greedy, beam = loadgen.LoadResult(), loadgen.LoadResult()
-    async with loadgen.session(0) as client:
-        started = time.perf_counter()
-        tasks = []
+    offsets = [o for o in arrival_times(rate, len(beams), seed) if o < duration_s]
+    async with client(0) as session:
+        t0 = time.perf_counter()
+        tasks, kinds = [], []
         for i, offset in enumerate(offsets):
             if beams[i] and not with_beam:
                 continue
-            delay = started + offset - time.perf_counter()
+            delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            text = texts[(first_text + i) % len(texts)]
-            options: dict[str, object] | None = {"beam_size": beam_size} if beams[i] else None
-            result = beam if beams[i] else greedy
-            tasks.append(asyncio.create_task(loadgen.send(client, url, text, started + offset, result, options)))
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - started
-    greedy.elapsed_s = beam.elapsed_s = elapsed
+            body = {"text": texts[(first_text + i) % len(texts)], **({"beam_size": beam_size} if beams[i] else {})}
+            tasks.append(asyncio.create_task(request(session, url, body, t0, since=t0 + offset)))
+            kinds.append(beams[i])
+        samples = await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - t0
+    greedy = LoadResult(duration_s, [s for s, b in zip(samples, kinds, strict=True) if not b], elapsed_s=elapsed)
+    beam = LoadResult(duration_s, [s for s, b in zip(samples, kinds, strict=True) if b], elapsed_s=elapsed)
     return greedy, beam
 
 
@@ -73,10 +72,10 @@ def run(models_dir: Path, texts: Sequence[str], out_dir: Path, load: float, conc
     server = ServerProcess(service_command(models_dir, port), port, out_dir / "logs" / "beam_mix-service.log")
     url = f"{server.url}/v1/translate"
     with server:
-        asyncio.run(loadgen.closed_loop(url, texts[:4], 2))  # warm-up
-        capacity = asyncio.run(loadgen.closed_loop(url, texts, concurrency, 30.0)).stats().sentences_per_s
+        asyncio.run(closed_loop(url, text_bodies(texts[:4]), 2))  # warm-up
+        capacity = asyncio.run(closed_loop(url, text_bodies(texts), concurrency, 30.0)).stats().sentences_per_s
         rate = load * capacity
-        pooled = {name: loadgen.LoadResult() for name in ("greedy_only", "mixed_greedy", "mixed_beam")}
+        pooled = {name: LoadResult() for name in ("greedy_only", "mixed_greedy", "mixed_beam")}
         per_slice = []
         for index in range(slices):
             count = max(1, int(rate * slice_s * 2))

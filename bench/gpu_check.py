@@ -33,8 +33,9 @@ from typing import Any
 
 import onnxruntime as ort
 
-from bench import loadgen, machine
+from bench import machine
 from bench.in_process import load_runtime, run_batches
+from bench.load import closed_loop, text_bodies
 from bench.servers import ServerProcess, free_port, service_command
 from bench.stats import summarise
 from bench.workload import load as load_workload
@@ -181,7 +182,7 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         report["service_provider"], report["service_variant"] = served["provider"], served["variant"]
         report["service"] = {}
         for clients in concurrency:
-            result = asyncio.run(loadgen.closed_loop(url, texts, clients))
+            result = asyncio.run(closed_loop(url, text_bodies(texts), clients))
             report["service"][str(clients)] = result.stats().to_dict()
         report["memory_during_service"] = gpu()
         report["service_peak_rss_mib"] = server.rss.peak_bytes / 2**20 if server.rss else None

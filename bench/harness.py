@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from bench import loadgen, machine, report, targets
+from bench import load, machine, report, targets
 from bench.servers import ServerProcess, free_port, service_command
 from bench.workload import Workload
 
@@ -78,7 +78,7 @@ def _timed(label: str, action: Callable[..., Any], *args: Any, **kwargs: Any) ->
     return value
 
 
-def _stats(result: loadgen.LoadResult, **extra: Any) -> dict[str, Any]:
+def _stats(result: load.LoadResult, **extra: Any) -> dict[str, Any]:
     values = result.stats().to_dict()
     if result.error_samples:
         values["error_samples"] = result.error_samples
@@ -96,11 +96,11 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
         try:
             for model, workload in workloads.items():
                 url = server.url + ROUTES[workload.task]
-                asyncio.run(loadgen.closed_loop(url, workload.texts[:2], 2))  # warm-up
+                asyncio.run(load.closed_loop(url, load.text_bodies(workload.texts[:2]), 2))  # warm-up
                 closed: dict[str, Any] = {}
                 for level in config.concurrency:
                     result = _timed(f"service {mode} {model} c{level}", asyncio.run,
-                                    loadgen.closed_loop(url, workload.texts, level, config.duration_s))
+                                    load.closed_loop(url, load.text_bodies(workload.texts), level, config.duration_s))
                     closed[f"c{level}"] = _stats(result)
                 entry = results["tasks"][model].setdefault("service", {}).setdefault(mode, {})
                 entry["closed"] = closed
@@ -126,9 +126,9 @@ def run_worker_grid(config: BenchConfig, workloads: dict[str, Workload], results
         try:
             for model, workload in workloads.items():
                 url = server.url + ROUTES[workload.task]
-                asyncio.run(loadgen.closed_loop(url, workload.texts[:2], 2))  # warm-up
+                asyncio.run(load.closed_loop(url, load.text_bodies(workload.texts[:2]), 2))  # warm-up
                 result = _timed(f"service {name} {model} c{top}", asyncio.run,
-                                loadgen.closed_loop(url, workload.texts, top, config.duration_s))
+                                load.closed_loop(url, load.text_bodies(workload.texts), top, config.duration_s))
                 entry = results["tasks"][model].setdefault("service", {}).setdefault(name, {})
                 entry["closed"] = {f"c{top}": _stats(result)}
         finally:
@@ -154,15 +154,15 @@ def run_open_loops_in_turns(config: BenchConfig, workloads: dict[str, Workload],
             servers[mode] = _start_service(config, mode, results, log_suffix="-open")
         for mode, server in servers.items():  # warm-up
             for workload in workloads.values():
-                asyncio.run(loadgen.closed_loop(server.url + ROUTES[workload.task], workload.texts[:2], 2))
+                asyncio.run(load.closed_loop(server.url + ROUTES[workload.task], load.text_bodies(workload.texts[:2]), 2))
         for index in range(config.open_repeats):
             for model, workload in workloads.items():
                 turn: dict[str, Any] = {}
                 rate = config.rate
                 if rate is None:
                     best = _timed(f"service dynamic {model} c{top} (this turn's rate)", asyncio.run,
-                                  loadgen.closed_loop(servers["dynamic"].url + ROUTES[workload.task],
-                                                      workload.texts, top, config.duration_s))
+                                  load.closed_loop(servers["dynamic"].url + ROUTES[workload.task],
+                                                   load.text_bodies(workload.texts), top, config.duration_s))
                     turn["dynamic_sentences_per_s"] = best.stats().sentences_per_s
                     rate = max(OPEN_LOOP_LOAD * turn["dynamic_sentences_per_s"], 0.1)
                 turn.update(_timed(f"service {' and '.join(servers)} {model} open {rate:.2f}/s", _interleaved_open_loops,
@@ -196,14 +196,14 @@ def _interleaved_open_loops(config: BenchConfig, servers: dict[str, ServerProces
     Each server's stats pool its slices, and `slice_p95_s` lists the p95 of each."""
     slices = max(1, config.open_slices)
     slice_s = config.open_duration_s / slices
-    per_slice = max(1, int(rate * slice_s))  # requests per slice (`loadgen.open_loop`'s count)
-    pooled = {mode: loadgen.LoadResult() for mode in servers}
+    per_slice = max(1, int(rate * slice_s))  # requests per slice (`load.open_loop`'s count)
+    pooled = {mode: load.LoadResult() for mode in servers}
     slice_p95: dict[str, list[float | None]] = {mode: [] for mode in servers}
     modes = list(servers)
     for index in range(slices):
         for mode in modes if index % 2 == 0 else modes[::-1]:
-            part = asyncio.run(loadgen.open_loop(servers[mode].url + ROUTES[workload.task], workload.texts, rate,
-                                                 slice_s, seed=seed + index, first_text=index * per_slice))
+            part = asyncio.run(load.open_loop(servers[mode].url + ROUTES[workload.task], load.text_bodies(workload.texts), rate,
+                                                 slice_s, seed=seed + index, first=index * per_slice))
             pooled[mode].merge(part)
             slice_p95[mode].append(part.stats().latency_p95_s)
     return {mode: _stats(result, offered_rate=rate, slice_p95_s=slice_p95[mode]) for mode, result in pooled.items()}
@@ -234,8 +234,8 @@ def _start_service(config: BenchConfig, mode: str, results: dict[str, Any], log_
 def _open_loop(config: BenchConfig, server: ServerProcess, mode: str, model: str, workload: Workload,
                rate: float) -> dict[str, Any]:
     result = _timed(f"service {mode} {model} open {rate:.2f}/s", asyncio.run,
-                    loadgen.open_loop(server.url + ROUTES[workload.task], workload.texts, rate,
-                                      config.open_duration_s))
+                    load.open_loop(server.url + ROUTES[workload.task], load.text_bodies(workload.texts), rate,
+                                   config.open_duration_s))
     return _stats(result, offered_rate=rate)
 
 
@@ -262,8 +262,8 @@ def run_naive(config: BenchConfig, models: dict[str, Path], workloads: dict[str,
         try:
             url = server.url + ROUTES[workload.task]
             texts = workload.texts[:config.naive_requests]
-            asyncio.run(loadgen.closed_loop(url, texts[:1], 1))  # warm-up
-            result = _timed(f"naive {model} c1", asyncio.run, loadgen.closed_loop(url, texts, 1, config.duration_s))
+            asyncio.run(load.closed_loop(url, load.text_bodies(texts[:1]), 1))  # warm-up
+            result = _timed(f"naive {model} c1", asyncio.run, load.closed_loop(url, load.text_bodies(texts), 1, config.duration_s))
         finally:
             peak = server.stop()
         results["tasks"][model]["naive"] = {"closed": {"c1": _stats(result)}, "peak_rss_mb": round(peak, 1)}

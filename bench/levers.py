@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench import loadgen, machine
+from bench import load, machine
 from bench import workload as workload_module
 from bench.servers import ServerProcess, free_port, service_command
 
@@ -86,13 +86,13 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
     server.start()
     try:
         url = server.url + "/v1/translate"  # the repository's translation model
-        asyncio.run(loadgen.closed_loop(url, texts[: 2 * concurrency], concurrency))  # warm-up
+        asyncio.run(load.closed_loop(url, load.text_bodies(texts[: 2 * concurrency]), concurrency))  # warm-up
         assert server.process is not None
         cpu_before = _cpu_seconds(server.process.pid)
         if rate is None:
-            result = asyncio.run(loadgen.closed_loop(url, texts, concurrency))
+            result = asyncio.run(load.closed_loop(url, load.text_bodies(texts), concurrency))
         else:
-            result = asyncio.run(loadgen.open_loop(url, texts, rate, duration_s))
+            result = asyncio.run(load.open_loop(url, load.text_bodies(texts), rate, duration_s))
         cards = httpx.get(server.url + "/v1/models", timeout=10).json()["models"]
         cpu = _cpu_seconds(server.process.pid) - cpu_before
     finally:

@@ -1,11 +1,19 @@
-"""HTTP load generator: open loop (a fixed request rate) or closed loop (fixed concurrency).
+"""HTTP load generator (asyncio + aiohttp): closed loop at a concurrency, open loop at a rate.
 
-aiohttp, as `bench.loadgen`: the generator shares the cores with the server it loads, and
-aiohttp spends less CPU per request than httpx.
+aiohttp, not httpx: the generator shares the cores with the server it loads, and aiohttp spends
+less CPU per request.
 
-Every request's send time, status (or transport error) and latency is recorded, so a run can
-be cut into windows (goodput, percentiles per minute). A probe can poll a liveness URL beside
-the load. Usage:
+Every request is recorded as a `Sample`: when it was sent (seconds from the run's start), its
+status (`TRANSPORT_ERROR` when no HTTP answer came back), its latency, the output tokens a
+generation response reports, and what went wrong. A `LoadResult` gives the benchmark's figures
+from them (`stats`: throughput and latency percentiles of the answered requests) and the
+reliability tests' (`statuses`, `goodput` and `percentile` over windows of the run, `summary`).
+
+Requests are JSON bodies sent in order: a closed loop sends each once (or cycles them until
+`duration_s`); an open loop sends at `rate` per second, evenly or as a Poisson process, whatever
+the server's pace, and measures each latency from the request's scheduled arrival, so a server
+that falls behind is charged for the queueing it causes (`from_send`: from when it was sent). A
+probe can poll a liveness URL beside an open loop. Usage:
 
     python -m bench.load --url http://127.0.0.1:8000/v1/translate --rate 120 --duration 60
     python -m bench.load --url ... --concurrency 8 --duration 10 --json '{"text": "abc"}'
@@ -17,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -25,44 +34,88 @@ from typing import Any
 
 import aiohttp
 
+from bench.stats import RunStats, summarise
+
 TRANSPORT_ERROR = 0  # the status recorded when no HTTP response came back
+REQUEST_TIMEOUT_S = 300.0
+ERROR_SAMPLES = 5  # error messages a result keeps for its report
 
 
 @dataclass(frozen=True)
 class Sample:
     """One request: when it was sent (seconds from the run's start), its status, its latency,
-    and for a transport error (status 0) the exception's class name."""
+    the output tokens its response reports, and what went wrong: the exception's class name for
+    a transport error (status 0), the status and the start of the body for an HTTP error, or a
+    generation response without its outputs."""
 
     sent_s: float
     status: int
     latency_s: float
     error: str = ""
+    output_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300 and not self.error
 
 
 @dataclass
 class LoadResult:
-    """Every request of a run and the probe's answers."""
+    """Every request of a run and the probe's answers; `duration_s` is the run's planned length
+    (its windows), `elapsed_s` the time until its last answer."""
 
-    duration_s: float
+    duration_s: float = 0.0
     samples: list[Sample] = field(default_factory=list)
     probes: list[Sample] = field(default_factory=list)
     max_send_lag_s: float = 0.0  # open loop: how late the latest send was against its schedule
+    elapsed_s: float = 0.0
+
+    # ---- the benchmark's figures
+
+    @property
+    def latencies_s(self) -> list[float]:
+        return [s.latency_s for s in self.samples if s.ok]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(s.output_tokens for s in self.samples if s.ok)
+
+    @property
+    def errors(self) -> int:
+        return sum(1 for s in self.samples if not s.ok)
+
+    @property
+    def error_samples(self) -> list[str]:
+        return [s.error for s in self.samples if s.error][:ERROR_SAMPLES]
+
+    def stats(self) -> RunStats:
+        """Throughput and latency percentiles of the answered requests over `elapsed_s`."""
+        return summarise(self.latencies_s, self.output_tokens, max(self.elapsed_s, 1e-9), self.errors)
+
+    def merge(self, other: LoadResult) -> None:
+        """Add `other`'s requests and time (a later slice of the same run) to these."""
+        self.samples += other.samples
+        self.probes += other.probes
+        self.elapsed_s += other.elapsed_s
+        self.duration_s += other.duration_s
+        self.max_send_lag_s = max(self.max_send_lag_s, other.max_send_lag_s)
+
+    # ---- the reliability tests' figures
 
     def statuses(self) -> Counter[int]:
         """How many requests got each status (0: transport error, i.e. lost)."""
         return Counter(sample.status for sample in self.samples)
 
     def goodput(self, start_s: float = 0.0, end_s: float | None = None) -> float:
-        """Successful (2xx) requests per second sent within [start_s, end_s)."""
+        """Answered (2xx) requests per second sent within [start_s, end_s)."""
         end_s = self.duration_s if end_s is None else end_s
-        ok = sum(1 for s in self._window(start_s, end_s) if 200 <= s.status < 300)
+        ok = sum(1 for s in self._window(start_s, end_s) if s.ok)
         return ok / max(end_s - start_s, 1e-9)
 
     def percentile(self, q: float, start_s: float = 0.0, end_s: float | None = None) -> float:
         """The q-quantile (0-1) of the 2xx latencies sent within the window (nan if none)."""
         end_s = self.duration_s if end_s is None else end_s
-        latencies = sorted(s.latency_s for s in self._window(start_s, end_s)
-                           if 200 <= s.status < 300)
+        latencies = sorted(s.latency_s for s in self._window(start_s, end_s) if s.ok)
         if not latencies:
             return math.nan
         return latencies[min(len(latencies) - 1, math.ceil(q * len(latencies)) - 1)]
@@ -76,7 +129,8 @@ class LoadResult:
             "requests": len(self.samples),
             "statuses": dict(sorted(self.statuses().items())),
             "lost": self.statuses()[TRANSPORT_ERROR],
-            "transport_errors": dict(Counter(s.error for s in self.samples if s.error)),
+            "transport_errors": dict(Counter(s.error for s in self.samples
+                                             if s.status == TRANSPORT_ERROR)),
             "goodput_rps": round(self.goodput(), 1),
             "p50_ms": round(self.percentile(0.5) * 1000, 1),
             "p99_ms": round(self.percentile(0.99) * 1000, 1),
@@ -90,61 +144,94 @@ class LoadResult:
         return [s for s in self.samples if start_s <= s.sent_s < end_s]
 
 
-async def _one(client: aiohttp.ClientSession, method: str, url: str, body: Any,
-               headers: dict[str, str], t0: float) -> Sample:
-    """Send one request and read its whole answer; a failure to get one is TRANSPORT_ERROR."""
+def client(connections: int, timeout_s: float = REQUEST_TIMEOUT_S,
+           keepalive: bool = True) -> aiohttp.ClientSession:
+    """At most `connections` connections (0: no limit), kept alive unless `keepalive` is False;
+    each request has `timeout_s` in all."""
+    connector = aiohttp.TCPConnector(limit=connections, force_close=not keepalive)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def request(session: aiohttp.ClientSession, url: str, body: Any, t0: float, *,
+                  method: str = "POST", headers: dict[str, str] | None = None,
+                  since: float | None = None) -> Sample:
+    """Send one request and read its whole answer; its latency counts from `since` (default:
+    when it was sent), its send time from `t0`. A 2xx answer to a POST must carry `outputs`,
+    whose `output_tokens` are counted."""
     sent = time.perf_counter()
-    error = ""
+    error, tokens = "", 0
     try:
-        async with client.request(method, url, json=body, headers=headers) as response:
-            await response.read()
+        async with session.request(method, url, json=body, headers=headers or {}) as response:
+            data = await response.read()
             status = response.status
     except (aiohttp.ClientError, TimeoutError) as exc:
         status, error = TRANSPORT_ERROR, type(exc).__name__
-    return Sample(sent - t0, status, time.perf_counter() - sent, error)
+    else:
+        if status >= 400:
+            error = f"HTTP {status}: {data[:300].decode('utf-8', 'replace')}"
+        elif method == "POST":
+            try:
+                tokens = sum(int(o.get("output_tokens", 0)) for o in json.loads(data)["outputs"])
+            except (KeyError, ValueError, TypeError, AttributeError) as exc:
+                error = f"a response without outputs: {type(exc).__name__}"
+    return Sample(sent - t0, status, time.perf_counter() - (sent if since is None else since),
+                  error, tokens)
+
+
+def arrival_times(rate: float, count: int, seed: int = 0) -> list[float]:
+    """Poisson arrival offsets (seconds from the start) of `count` requests at `rate` per second."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    rng = random.Random(seed)
+    offsets, now = [], 0.0
+    for _ in range(count):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets
 
 
 async def _probe(url: str, every_s: float, t0: float, stop: asyncio.Event,
                  out: list[Sample]) -> None:
-    async with _client(1, 10.0, True) as client:
+    async with client(1, 10.0) as session:
         while not stop.is_set():
-            out.append(await _one(client, "GET", url, None, {}, t0))
+            out.append(await request(session, url, None, t0, method="GET"))
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
             except TimeoutError:
                 pass
 
 
-def _client(connections: int, timeout_s: float, keepalive: bool) -> aiohttp.ClientSession:
-    """At most `connections` connections, kept alive unless `keepalive` is False; each request
-    has `timeout_s` in all."""
-    connector = aiohttp.TCPConnector(limit=connections, force_close=not keepalive)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s))
-
-
 async def open_loop(
-    url: str, body: Any, rate: float, duration_s: float, *, headers: dict[str, str] | None = None,
-    timeout_s: float = 30.0, probe_url: str | None = None, probe_every_s: float = 0.25,
-    keepalive: bool = True,
+    url: str, bodies: Sequence[Any], rate: float, duration_s: float, *, poisson: bool = True,
+    seed: int = 0, first: int = 0, max_requests: int | None = None,
+    headers: dict[str, str] | None = None, timeout_s: float = REQUEST_TIMEOUT_S,
+    probe_url: str | None = None, probe_every_s: float = 0.25, keepalive: bool = True,
+    from_send: bool = False,
 ) -> LoadResult:
-    """Send `rate` requests per second for `duration_s`, whatever the answers; wait for all."""
-    headers = headers or {}
-    connections = max(16, math.ceil(rate * min(timeout_s, 5.0)))
+    """Send `rate` requests per second for `duration_s` (Poisson arrivals, or evenly spaced
+    without `poisson`), whatever the answers, `bodies` cycled from `first`; wait for all."""
+    count = max(1, math.floor(rate * duration_s))
+    if max_requests is not None:
+        count = min(count, max_requests)
+    offsets = arrival_times(rate, count, seed) if poisson else [i / rate for i in range(count)]
     result = LoadResult(duration_s)
     stop = asyncio.Event()
     t0 = time.perf_counter()
     probe = (asyncio.ensure_future(_probe(probe_url, probe_every_s, t0, stop, result.probes))
              if probe_url else None)
-    async with _client(connections, timeout_s, keepalive) as client:
+    connections = max(16, math.ceil(rate * min(timeout_s, 5.0)))
+    async with client(connections, timeout_s, keepalive) as session:
         tasks = []
-        for i in range(math.floor(rate * duration_s)):
-            delay = t0 + i / rate - time.perf_counter()
+        for i, offset in enumerate(offsets):
+            delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            lag = time.perf_counter() - (t0 + i / rate)
-            result.max_send_lag_s = max(result.max_send_lag_s, lag)
-            tasks.append(asyncio.ensure_future(_one(client, "POST", url, body, headers, t0)))
+            result.max_send_lag_s = max(result.max_send_lag_s, time.perf_counter() - (t0 + offset))
+            tasks.append(asyncio.ensure_future(request(
+                session, url, bodies[(first + i) % len(bodies)], t0, headers=headers,
+                since=None if from_send else t0 + offset)))
         result.samples = list(await asyncio.gather(*tasks))
+    result.elapsed_s = time.perf_counter() - t0
     stop.set()
     if probe is not None:
         await probe
@@ -152,21 +239,38 @@ async def open_loop(
 
 
 async def closed_loop(
-    url: str, body: Any, concurrency: int, duration_s: float, *,
-    headers: dict[str, str] | None = None, timeout_s: float = 30.0, keepalive: bool = True,
+    url: str, bodies: Sequence[Any], concurrency: int, duration_s: float | None = None, *,
+    cycle: bool = False, headers: dict[str, str] | None = None,
+    timeout_s: float = REQUEST_TIMEOUT_S, keepalive: bool = True,
 ) -> LoadResult:
-    """`concurrency` clients each sending one request after the other for `duration_s`."""
-    headers = headers or {}
-    result = LoadResult(duration_s)
+    """`concurrency` clients each send the next body as soon as their last answer came back:
+    every body once, unless `duration_s` runs out first (then no new request starts); with
+    `cycle`, the bodies over and over until `duration_s`."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    if cycle and duration_s is None:
+        raise ValueError("cycling the bodies needs a duration")
+    result = LoadResult(duration_s or 0.0)
+    next_index = 0
     t0 = time.perf_counter()
+    deadline = t0 + duration_s if duration_s else None
 
-    async def user(client: aiohttp.ClientSession) -> None:
-        while time.perf_counter() - t0 < duration_s:
-            result.samples.append(await _one(client, "POST", url, body, headers, t0))
+    async def user(session: aiohttp.ClientSession) -> None:
+        nonlocal next_index
+        while (cycle or next_index < len(bodies)) and (deadline is None or time.perf_counter() < deadline):
+            body = bodies[next_index % len(bodies)]
+            next_index += 1
+            result.samples.append(await request(session, url, body, t0, headers=headers))
 
-    async with _client(concurrency, timeout_s, keepalive) as client:
-        await asyncio.gather(*(user(client) for _ in range(concurrency)))
+    async with client(concurrency, timeout_s, keepalive) as session:
+        await asyncio.gather(*(user(session) for _ in range(concurrency)))
+    result.elapsed_s = time.perf_counter() - t0
     return result
+
+
+def text_bodies(texts: Sequence[str], **options: Any) -> list[dict[str, Any]]:
+    """The generation routes' bodies: `{"text": text, **options}` per text."""
+    return [{"text": text, **options} for text in texts]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__)
     parser.add_argument("--url", required=True)
     parser.add_argument("--json", default='{"text": "hello world"}', help="request body")
-    parser.add_argument("--rate", type=float, help="open loop: requests per second")
+    parser.add_argument("--rate", type=float, help="open loop: requests per second (evenly spaced)")
     parser.add_argument("--concurrency", type=int, help="closed loop: concurrent clients")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds")
     parser.add_argument("--timeout", type=float, default=30.0, help="per request, seconds")
@@ -185,13 +289,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give exactly one of --rate and --concurrency")
     headers = dict(h.split(":", 1) for h in args.header)
     headers = {k.strip(): v.strip() for k, v in headers.items()}
-    body = json.loads(args.json)
+    bodies = [json.loads(args.json)]
     if args.rate is not None:
-        result = asyncio.run(open_loop(args.url, body, args.rate, args.duration, headers=headers,
-                                       timeout_s=args.timeout, probe_url=args.probe_url))
+        result = asyncio.run(open_loop(args.url, bodies, args.rate, args.duration, poisson=False,
+                                       headers=headers, timeout_s=args.timeout,
+                                       probe_url=args.probe_url, from_send=True))
     else:
-        result = asyncio.run(closed_loop(args.url, body, args.concurrency, args.duration,
-                                         headers=headers, timeout_s=args.timeout))
+        result = asyncio.run(closed_loop(args.url, bodies, args.concurrency, args.duration,
+                                         cycle=True, headers=headers, timeout_s=args.timeout))
     print(json.dumps(result.summary(), indent=2))
     return 0
 

@@ -130,14 +130,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with server(args) as (base, pid):
         url = f"{base}/v1/translate"
         host, port = base.removeprefix("http://").split(":")
-        asyncio.run(closed_loop(url, BODY, args.concurrency, 2.0))  # warm up
+        asyncio.run(closed_loop(url, [BODY], args.concurrency, 2.0,
+                                cycle=True, timeout_s=30.0))  # warm up
         fds_idle = open_fds(pid)
-        baseline = asyncio.run(closed_loop(url, BODY, args.concurrency, args.duration_s))
+        baseline = asyncio.run(closed_loop(url, [BODY], args.concurrency, args.duration_s,
+                                           cycle=True, timeout_s=30.0))
         opened_at = time.monotonic()
         sockets = stall((host, int(port)), "/v1/translate", args.slow)
         time.sleep(0.5)  # the server has accepted them
         fds_held = open_fds(pid)
-        attacked = asyncio.run(closed_loop(url, BODY, args.concurrency, args.duration_s))
+        attacked = asyncio.run(closed_loop(url, [BODY], args.concurrency, args.duration_s,
+                                           cycle=True, timeout_s=30.0))
         fds_after_loop = open_fds(pid)
         measured_within_s = time.monotonic() - opened_at
         closed_within_s = None
@@ -156,7 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pass
             sock.close()
         refused = refused_counts(base)
-        after = asyncio.run(closed_loop(url, BODY, args.concurrency, args.duration_s))
+        after = asyncio.run(closed_loop(url, [BODY], args.concurrency, args.duration_s,
+                                           cycle=True, timeout_s=30.0))
     ratio = attacked.percentile(0.95) / baseline.percentile(0.95)
     return {
         "slow_sockets": args.slow, "concurrency": args.concurrency, "duration_s": args.duration_s,

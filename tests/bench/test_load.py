@@ -1,12 +1,26 @@
-"""The load generator (`bench.load`): every request recorded, transport errors named, and an
-open loop's lag behind its schedule measured."""
+"""The load generator (`bench.load`): every request recorded, transport errors named, an open
+loop's lag behind its schedule measured, its arrivals Poisson, its bodies cycled, and the
+benchmark's figures from the samples."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 
-from bench.load import TRANSPORT_ERROR, LoadResult, _client, _one, open_loop
+import pytest
+from aiohttp import web
+
+from bench.load import (
+    TRANSPORT_ERROR,
+    LoadResult,
+    Sample,
+    arrival_times,
+    client,
+    closed_loop,
+    open_loop,
+    request,
+    text_bodies,
+)
 
 
 async def _answer_or_hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -22,9 +36,9 @@ def test_a_transport_error_is_recorded_with_its_class_name() -> None:
     async def run() -> LoadResult:
         server = await asyncio.start_server(_answer_or_hang_up, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        async with server, _client(2, 5.0, keepalive=False) as client:
-            ok = await _one(client, "POST", f"http://127.0.0.1:{port}/ok", {}, {}, 0.0)
-            failed = await _one(client, "POST", f"http://127.0.0.1:{port}/gone", {}, {}, 0.0)
+        async with server, client(2, 5.0, keepalive=False) as session:
+            ok = await request(session, f"http://127.0.0.1:{port}/ok", {}, 0.0, method="GET")
+            failed = await request(session, f"http://127.0.0.1:{port}/gone", {}, 0.0)
         return LoadResult(1.0, samples=[ok, failed])
 
     result = asyncio.run(run())
@@ -39,11 +53,88 @@ def test_an_open_loop_sends_on_schedule_and_names_refused_connections() -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/translate", {}, 100.0, 0.2,
-                                   timeout_s=2.0))
+    result = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/translate", [{}], 100.0, 0.2,
+                                   poisson=False, timeout_s=2.0))
     assert len(result.samples) == 20
     assert result.statuses() == {TRANSPORT_ERROR: 20}
     assert result.summary()["transport_errors"] == {"ClientConnectorError": 20}
     sent = sorted(s.sent_s for s in result.samples)
     assert 0.15 <= sent[-1] < 0.19 + result.max_send_lag_s
     assert 0.0 <= result.max_send_lag_s < 0.5
+
+
+def test_arrival_times_are_poisson_at_the_rate() -> None:
+    offsets = arrival_times(rate=50.0, count=2000, seed=1)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert 2000 / offsets[-1] == pytest.approx(50.0, rel=0.1)
+    assert arrival_times(50.0, 10, seed=1) == offsets[:10]
+    with pytest.raises(ValueError):
+        arrival_times(0.0, 3)
+
+
+async def _translate_server(received: list[str]) -> tuple[web.AppRunner, int]:
+    """An aiohttp server whose /v1/translate reports one output token per character, and
+    answers 500 to the text "fail" and a body without outputs to "bare"."""
+
+    async def translate(req: web.Request) -> web.Response:
+        text = (await req.json())["text"]
+        received.append(text)
+        if text == "fail":
+            return web.json_response({"error": "boom"}, status=500)
+        if text == "bare":
+            return web.json_response({})
+        return web.json_response({"outputs": [{"output_tokens": len(text)}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/translate", translate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+def test_an_open_loop_slice_cycles_the_bodies_from_first() -> None:
+    received: list[str] = []
+
+    async def run() -> LoadResult:
+        runner, port = await _translate_server(received)
+        try:  # 4 requests (200/s for 0.02 s), texts from the third on
+            return await open_loop(f"http://127.0.0.1:{port}/v1/translate",
+                                   text_bodies(["a", "bb", "ccc"]), 200.0, 0.02, first=2)
+        finally:
+            await runner.cleanup()
+
+    result = asyncio.run(run())
+    assert sorted(received) == ["a", "bb", "ccc", "ccc"]
+    assert len(result.latencies_s) == 4 and result.output_tokens == 1 + 2 + 3 + 3 and result.errors == 0
+
+
+def test_a_closed_loop_counts_http_errors_and_answers_without_outputs() -> None:
+    received: list[str] = []
+
+    async def run() -> LoadResult:
+        runner, port = await _translate_server(received)
+        try:
+            return await closed_loop(f"http://127.0.0.1:{port}/v1/translate",
+                                     text_bodies(["ab", "fail", "bare", "c"]), 2)
+        finally:
+            await runner.cleanup()
+
+    result = asyncio.run(run())
+    assert sorted(received) == ["ab", "bare", "c", "fail"]  # each body once
+    assert result.errors == 2 and result.output_tokens == 3 and len(result.latencies_s) == 2
+    assert result.statuses() == {200: 3, 500: 1}
+    assert sorted(e.split(":")[0] for e in result.error_samples) == ["HTTP 500", "a response without outputs"]
+    assert result.summary()["transport_errors"] == {}  # HTTP errors are not lost requests
+
+
+def test_merged_load_results_pool_requests_and_time() -> None:
+    first = LoadResult(elapsed_s=2.0, samples=[Sample(0.0, 200, 0.1, output_tokens=4),
+                                               Sample(0.1, 200, 0.2, output_tokens=6),
+                                               Sample(0.2, 500, 0.01, "HTTP 500")])
+    second = LoadResult(elapsed_s=1.0, samples=[Sample(0.0, 200, 0.3, output_tokens=5)])
+    first.merge(second)
+    assert first.latencies_s == [0.1, 0.2, 0.3] and first.output_tokens == 15 and first.errors == 1
+    stats = first.stats()
+    assert stats.sentences_per_s == pytest.approx(1.0)  # 3 answered in 3 s of slices
+    assert first.error_samples == ["HTTP 500"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
@@ -12,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from bench import workload
-from bench.loadgen import LoadResult, arrival_times
 from bench.rss import PeakRss, tree_rss_bytes
 from bench.servers import free_port, service_command
 
@@ -64,54 +62,3 @@ def test_peak_rss_counts_children() -> None:
         child.kill()
         child.wait()
     assert tree_rss_bytes(child.pid) == 0
-
-
-def test_arrival_times_are_poisson_at_the_rate() -> None:
-    offsets = arrival_times(rate=50.0, count=2000, seed=1)
-    assert offsets[0] == 0.0 and offsets == sorted(offsets)
-    assert 2000 / offsets[-1] == pytest.approx(50.0, rel=0.1)
-    assert arrival_times(50.0, 10, seed=1) == offsets[:10]
-    with pytest.raises(ValueError):
-        arrival_times(0.0, 3)
-
-
-def test_an_open_loop_slice_cycles_the_texts_from_first_text() -> None:
-    from aiohttp import web
-
-    from bench.loadgen import open_loop
-
-    received: list[str] = []
-
-    async def translate(request: web.Request) -> web.Response:
-        text = (await request.json())["text"]
-        received.append(text)
-        return web.json_response({"outputs": [{"output_tokens": len(text)}]})
-
-    async def run() -> LoadResult:
-        app = web.Application()
-        app.router.add_post("/v1/translate", translate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:  # 4 requests (200/s for 0.02 s), texts from the third on
-            return await open_loop(f"http://127.0.0.1:{port}/v1/translate", ["a", "bb", "ccc"], 200.0, 0.02,
-                                   first_text=2)
-        finally:
-            await runner.cleanup()
-
-    result = asyncio.run(run())
-    assert sorted(received) == ["a", "bb", "ccc", "ccc"]
-    assert len(result.latencies_s) == 4 and result.output_tokens == 1 + 2 + 3 + 3 and result.errors == 0
-
-
-def test_merged_load_results_pool_requests_and_time() -> None:
-    first = LoadResult(latencies_s=[0.1, 0.2], output_tokens=10, errors=1, elapsed_s=2.0,
-                       error_samples=["HTTP 500"])
-    second = LoadResult(latencies_s=[0.3], output_tokens=5, errors=0, elapsed_s=1.0)
-    first.merge(second)
-    assert first.latencies_s == [0.1, 0.2, 0.3] and first.output_tokens == 15 and first.errors == 1
-    stats = first.stats()
-    assert stats.sentences_per_s == pytest.approx(1.0)  # 3 answered in 3 s of slices
-    assert first.error_samples == ["HTTP 500"]

@@ -51,6 +51,11 @@ SERVER_ENV = {
     "ATTNSERVE_MAX_QUEUE_SIZE": "16", "ATTNSERVE_MAX_WAIT_MS": "5", "ATTNSERVE_BATCH_WORKERS": "1",
     "ATTNSERVE_REQUEST_TIMEOUT_S": "10",
 }
+# the one body over and over, 30 s for an answer; the open loop evenly paced, latencies from
+# each request's send
+LOOP_OPTIONS: dict[str, Any] = {"cycle": True, "headers": HEADERS, "timeout_s": 30.0}
+OPEN_OPTIONS: dict[str, Any] = {"poisson": False, "from_send": True, "headers": HEADERS,
+                                "timeout_s": 30.0}
 RSS_GROWTH_BOUND_KB = 32 * 1024
 FD_GROWTH_BOUND = 10
 PROBE_MAX_S = 0.5
@@ -169,8 +174,8 @@ def measure_capacity(base: str) -> float:
     goodputs = []
     for concurrency in CAPACITY_CONCURRENCIES:
         with load_generator_cores():
-            result = asyncio.run(closed_loop(f"{base}/v1/translate", BODY, concurrency,
-                                             CAPACITY_S, headers=HEADERS))
+            result = asyncio.run(closed_loop(f"{base}/v1/translate", [BODY], concurrency,
+                                             CAPACITY_S, **LOOP_OPTIONS))
         statuses = result.statuses()
         allowed = {200, 504, 429} if MODELS else {200, 504}
         assert set(statuses) <= allowed and statuses[504] <= len(result.samples) / 20, \
@@ -204,7 +209,7 @@ def test_three_times_capacity_keeps_goodput_and_liveness() -> None:
         server_cpu, load_cpu, t0 = cpu_seconds(pid), own_cpu_seconds(), time.perf_counter()
         with load_generator_cores():
             result: LoadResult = asyncio.run(open_loop(
-                f"{base}/v1/translate", BODY, 3 * capacity, OVERLOAD_S, headers=HEADERS,
+                f"{base}/v1/translate", [BODY], 3 * capacity, OVERLOAD_S, **OPEN_OPTIONS,
                 probe_url=f"{base}/health/live",
             ))
         overload_cpu = {"server": cpu_seconds(pid) - server_cpu,
@@ -244,7 +249,7 @@ def test_soak_at_70_percent_holds_memory_descriptors_and_latency() -> None:
 
         sampler = asyncio.ensure_future(sample())
         try:
-            return await open_loop(f"{base}/v1/translate", BODY, rate, SOAK_S, headers=HEADERS)
+            return await open_loop(f"{base}/v1/translate", [BODY], rate, SOAK_S, **OPEN_OPTIONS)
         finally:
             sampler.cancel()
 
