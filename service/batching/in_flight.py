@@ -69,17 +69,22 @@ class Member(Generic[Owner]):
                    token_scores=[] if hooks.scores else None)
 
 
+def newcomer_order(sources: Sequence[list[int]]) -> list[int]:
+    """The order newcomers take their slots in: by source length, ties in arrival order."""
+    return sorted(range(len(sources)), key=lambda i: len(sources[i]))
+
+
 def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Sequence[Owner],
                      max_new_tokens: Sequence[int], hooks: Sequence[RowHooks | None] | None,
                      padding_slack: float) -> tuple[list[EncoderState], list[Member[Owner]]]:
-    """Check the newcomers, sort them by source length and encode them in groups of similar
+    """Check the newcomers, put them in `newcomer_order` and encode them in groups of similar
     length (`_length_groups`); returns each group's encoder state and the members in that order."""
     if len(owners) != len(sources) or len(max_new_tokens) != len(sources):
         raise ValueError("one owner and one max_new_tokens per source")
     if any(not source for source in sources) or min(max_new_tokens) < 1:
         raise ValueError("every source needs its EOS and max_new_tokens >= 1")
     hooks = hooks if hooks is not None else [None] * len(sources)
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    order = newcomer_order(sources)
     groups = _length_groups([len(sources[i]) for i in order], padding_slack)
     states = [runtime.encode(runtime.pad([sources[order[i]] for i in group])) for group in groups]
     return states, [Member.of(owners[i], max_new_tokens[i], hooks[i]) for i in order]

@@ -46,7 +46,14 @@ from typing import Generic, Protocol, cast
 import numpy as np
 import onnxruntime as ort
 
-from service.batching.in_flight import Member, Owner, advance, choose, encode_newcomers
+from service.batching.in_flight import (
+    Member,
+    Owner,
+    advance,
+    choose,
+    encode_newcomers,
+    newcomer_order,
+)
 from service.generation.hooks import RowHooks
 from service.generation.search import GenerationResult
 from service.runtime.device_slots import DeviceSlots, slot_graphs, step_dtypes, step_element_types
@@ -205,8 +212,7 @@ class SlotBatch(Generic[Owner]):
         self._members += members
         if self._shortlist is not None and self._counts is not None:
             table = self._shortlist.table
-            # `encode_newcomers` puts the members in the (stable) order of their source lengths
-            for i in sorted(range(len(sources)), key=lambda i: len(sources[i])):
+            for i in newcomer_order(sources):  # the members' order (`encode_newcomers`)
                 candidates = table.row_candidates(sources[i])
                 self._counts.join(candidates)
                 self._candidates.append(candidates)
