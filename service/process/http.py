@@ -210,7 +210,8 @@ class Guards:
             time.perf_counter() - started)
         if not keep_alive:
             self.transport.close()
-        self._discarding = cycle
+        if cycle.more_body:  # its body still to come (a pipelined request's was read whole)
+            self._discarding = cycle
         self._seen_cycle = cycle  # the next request's headers are awaited (`on_response_complete`)
         self.on_response_complete()
 

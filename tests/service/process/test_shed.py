@@ -13,6 +13,7 @@ import json
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,10 +47,14 @@ def request(path: str, body: bytes = b"", length: int | None = None, method: str
             f"Content-Length: {length}\r\n").encode() + headers + b"\r\n" + body
 
 
+# bytes read past a response, per socket (answers to pipelined requests)
+_LEFTOVER: weakref.WeakKeyDictionary[socket.socket, bytes] = weakref.WeakKeyDictionary()
+
+
 def read_response(connection: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """Status, headers and body of the next response on `connection` (Content-Length framed)."""
     connection.settimeout(BOUND_S)
-    data = b""
+    data = _LEFTOVER.pop(connection, b"")
     while b"\r\n\r\n" not in data:
         chunk = connection.recv(65536)
         assert chunk, f"closed before a response: {data!r}"
@@ -57,11 +62,13 @@ def read_response(connection: socket.socket) -> tuple[int, dict[str, str], bytes
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:])}
-    while len(body) < int(headers["content-length"]):
+    length = int(headers["content-length"])
+    while len(body) < length:
         chunk = connection.recv(65536)
         assert chunk, "closed in the middle of a body"
         body += chunk
-    return int(lines[0].split()[1]), headers, body
+    _LEFTOVER[connection] = body[length:]
+    return int(lines[0].split()[1]), headers, body[:length]
 
 
 class CountingApp:
@@ -180,3 +187,20 @@ def test_with_an_api_key_only_an_authorized_request_is_shed(models_dir: Path, ba
         authorized = read_response(connection)
     assert anonymous[0] == 401 and json.loads(anonymous[2])["error_type"] == "unauthorized"
     assert authorized[0] == 429
+
+
+def test_a_pipelined_request_shed_after_the_one_before_keeps_the_header_size_limit(
+    models_dir: Path,
+) -> None:
+    with overloaded_server(models_dir, HttpToolsProtocol) as (address, _app), \
+            socket.create_connection(address) as connection:
+        # two requests in one piece: the second waits (pipelined) while the route answers the
+        # first, and is shed when its turn comes, its body read already
+        connection.sendall(request("/v1/summarize", b"{not json") +
+                           request("/v1/translate", b'{"text": "a"}'))
+        statuses = [read_response(connection)[0] for _ in range(2)]
+        # then headers over max_header_bytes (2048), never finished
+        connection.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: test\r\nX-Pad: " + b"a" * 3000)
+        status, _, body = read_response(connection)
+    assert statuses == [422, 429]
+    assert status == 431 and json.loads(body)["error_type"] == "headers_too_large"
