@@ -107,37 +107,38 @@ class AdmissionQueue:
         """Raise (and count) unless `rows` more rows fit beside `reserved` other waiting work,
         and, with a `deadline`, could be done by then behind the queue and the `in_flight` rows
         decoding, at the drain rate."""
-        if not self.accepting:
-            metrics.REJECTED_TOTAL.labels(self.model, "draining").inc()
+        budget_s = None if deadline is None else deadline - time.perf_counter()
+        reason = self.refusal(rows, budget_s, in_flight, reserved)
+        if reason is None:
+            return
+        metrics.REJECTED_TOTAL.labels(self.model, reason).inc()
+        if reason == "draining":
             raise NotReady("the server is shutting down")
-        ahead = len(self._rows) + reserved
-        if ahead + rows > self.limits.max_queue_size:
-            metrics.REJECTED_TOTAL.labels(self.model, "queue_full").inc()
+        if reason == "queue_full":
             raise Overloaded(f"the queue of model {self.model!r} is full", self.limits.retry_after_s)
-        if deadline is not None:
-            now = time.perf_counter()
-            expected = self.expected_s(rows, in_flight, now, reserved)
-            if expected is not None and expected > DEADLINE_SHARE * (deadline - now):
-                metrics.REJECTED_TOTAL.labels(self.model, "expected_wait").inc()
-                raise Overloaded(f"model {self.model!r} would not finish these rows within the deadline "
-                                 f"({ahead + in_flight} rows ahead)", self.limits.retry_after_s)
+        raise Overloaded(f"model {self.model!r} would not finish these rows within the deadline "
+                         f"({len(self._rows) + reserved + in_flight} rows ahead)", self.limits.retry_after_s)
+
+    def refusal(self, rows: int, budget_s: float | None, in_flight: int, reserved: int = 0) -> str | None:
+        """Why `rows` more rows would be refused ("draining"; "queue_full" beside `reserved`
+        other waiting work; "expected_wait": with `budget_s` seconds left, expected to take more
+        than `DEADLINE_SHARE` of them behind the queue and the `in_flight` rows decoding, at the
+        drain rate), or None when they would be taken."""
+        if not self.accepting:
+            return "draining"
+        if len(self._rows) + reserved + rows > self.limits.max_queue_size:
+            return "queue_full"
+        if budget_s is not None:
+            expected = self.expected_s(rows, in_flight, time.perf_counter(), reserved)
+            if expected is not None and expected > DEADLINE_SHARE * budget_s:
+                return "expected_wait"
+        return None
 
     def expected_s(self, rows: int, in_flight: int, now: float, reserved: int = 0) -> float | None:
         """Seconds until `rows` more rows would be done behind the queue and the `in_flight`
         rows decoding, at the drain rate; None while the rate is unknown."""
         rate = self.drain.rate(now)
         return None if rate is None else (len(self._rows) + reserved + in_flight + rows) / rate
-
-    def out_of_reach(self, budget_s: float, in_flight: int) -> str | None:
-        """Why one more row would be refused ("draining", "queue_full", or "expected_wait":
-        expected to take more than `DEADLINE_SHARE` of `budget_s` at the drain rate), or None
-        when it would be taken."""
-        if not self.accepting:
-            return "draining"
-        if len(self._rows) + 1 > self.limits.max_queue_size:
-            return "queue_full"
-        expected = self.expected_s(1, in_flight, time.perf_counter())
-        return "expected_wait" if expected is not None and expected > DEADLINE_SHARE * budget_s else None
 
     def admit(self, rows: list[QueuedRow]) -> None:
         """Append one request's rows (after `check_room`)."""

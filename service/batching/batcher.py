@@ -136,8 +136,8 @@ class Batcher:
 
     def out_of_reach(self, budget_s: float) -> str | None:
         """Why a one-row request with `budget_s` seconds would be refused now (`AdmissionQueue.
-        out_of_reach`), or None."""
-        return self._queue.out_of_reach(budget_s, self.running)
+        refusal`), or None."""
+        return self._queue.refusal(1, budget_s, self.running)
 
     @property
     def running(self) -> int:

@@ -60,16 +60,29 @@ def _schedule(runtime: ModelRuntime, sources: list[list[int]], on_device: bool, 
     return results, sizes
 
 
+def _limits(sources: list[list[int]], seed: int) -> list[int]:
+    """Each row's max_new_tokens of a schedule."""
+    return [int(n) for n in np.random.default_rng(seed + 10).integers(1, 15, len(sources))]
+
+
+Run = tuple[dict[int, GenerationResult], list[tuple[int, int, int]]]
+
+
+def _assert_same_rows(device: Run, host: Run) -> None:
+    """Two runs of one schedule sized their buffers alike and decoded every row alike."""
+    assert device[1] == host[1]
+    assert {k: (r.tokens, r.finish_reason) for k, r in device[0].items()} == \
+           {k: (r.tokens, r.finish_reason) for k, r in host[0].items()}
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_device_slots_decode_what_host_slots_and_each_row_alone_decode(
         tiny_runtime: ModelRuntime, bound: ModelRuntime, sources, seed: int) -> None:
-    limits = [int(n) for n in np.random.default_rng(seed + 10).integers(1, 15, len(sources))]
+    limits = _limits(sources, seed)
     host, host_sizes = _schedule(tiny_runtime, sources, False, seed, limits)
     for runtime in (tiny_runtime, bound):  # the encoder's outputs as host arrays, then as OrtValues
         device, device_sizes = _schedule(runtime, sources, True, seed, limits)
-        assert device_sizes == host_sizes
-        assert {k: (r.tokens, r.finish_reason) for k, r in device.items()} == \
-               {k: (r.tokens, r.finish_reason) for k, r in host.items()}
+        _assert_same_rows((device, device_sizes), (host, host_sizes))
         for owner, result in device.items():
             assert result.score == pytest.approx(host[owner].score, abs=1e-5)
     slots, columns, widths = zip(*host_sizes, strict=True)
@@ -249,13 +262,10 @@ def test_the_fp16_variants_step_graph_drives_device_slots_on_the_cpu(tiny_runtim
     host_batch: SlotBatch[int] = SlotBatch(fp16, on_device=False)
     assert host_batch._slots.cross[0].dtype == np.float16  # type: ignore[attr-defined]
     for seed in (0, 1):
-        limits = [int(n) for n in np.random.default_rng(seed + 10).integers(1, 15, len(sources))]
-        device, device_sizes = _schedule(fp16, sources, True, seed, limits)
-        host, host_sizes = _schedule(fp16, sources, False, seed, limits)
-        assert device_sizes == host_sizes
-        assert {k: (r.tokens, r.finish_reason) for k, r in device.items()} == \
-               {k: (r.tokens, r.finish_reason) for k, r in host.items()}
-        assert _agreeing(device, tiny_runtime, sources, limits) >= len(sources) - 1
+        limits = _limits(sources, seed)
+        device = _schedule(fp16, sources, True, seed, limits)
+        _assert_same_rows(device, _schedule(fp16, sources, False, seed, limits))
+        assert _agreeing(device[0], tiny_runtime, sources, limits) >= len(sources) - 1
 
 
 # -- on CUDA (`make gpu-check` runs these; they skip without onnxruntime's CUDA build and a GPU) --
@@ -294,12 +304,9 @@ def test_device_slots_on_cuda_decode_what_host_slots_decode(tiny_runtime: ModelR
     batch: SlotBatch[int] = SlotBatch(cuda)
     assert batch.on_device and all(v.device_name() == "cuda" for v in batch._slots.cache)  # type: ignore[attr-defined]
     for seed in (0, 1):
-        limits = [int(n) for n in np.random.default_rng(seed + 10).integers(1, 15, len(sources))]
-        host, host_sizes = _schedule(tiny_runtime, sources, False, seed, limits)
-        device, device_sizes = _schedule(cuda, sources, True, seed, limits)
-        assert device_sizes == host_sizes
-        assert {k: (r.tokens, r.finish_reason) for k, r in device.items()} == \
-               {k: (r.tokens, r.finish_reason) for k, r in host.items()}
+        limits = _limits(sources, seed)
+        _assert_same_rows(_schedule(cuda, sources, True, seed, limits),
+                          _schedule(tiny_runtime, sources, False, seed, limits))
 
 
 @pytest.mark.gpu
