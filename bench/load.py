@@ -226,11 +226,12 @@ async def open_loop(
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            result.max_send_lag_s = max(result.max_send_lag_s, time.perf_counter() - (t0 + offset))
             tasks.append(asyncio.ensure_future(request(
                 session, url, bodies[(first + i) % len(bodies)], t0, headers=headers,
                 since=None if from_send else t0 + offset)))
         result.samples = list(await asyncio.gather(*tasks))
+    # each request's start against its schedule (a task starts when the loop next runs it)
+    result.max_send_lag_s = max(max(s.sent_s - o for s, o in zip(result.samples, offsets, strict=True)), 0.0)
     result.elapsed_s = time.perf_counter() - t0
     stop.set()
     if probe is not None:
