@@ -13,6 +13,13 @@ variant's median run and the range.
 With `--rate R`, each run is an open loop instead: Poisson arrivals at R requests/s for
 `--duration-s` seconds (the latency columns then count from each request's scheduled arrival).
 
+With `--baseline DIR`, one more variant runs the defaults from the code of another checkout
+(e.g. `git worktree add DIR <commit>`; run in DIR, its packages first on the path) in the same turns:
+a change to the code measured against the commit before it.
+
+Each run records the server's CPU seconds and, of them, its event loop's (the main thread's:
+HTTP, validation, tokenization, responses) per request; the rest is the batch workers'.
+
 With `--ctranslate2`, CTranslate2 int8 `translate_batch` on the same weights and sentences
 (in-process, no HTTP: the reference of the throughput target) runs in the same turns, and
 the table gives each variant's throughput as a ratio of it.
@@ -25,6 +32,7 @@ import asyncio
 import json
 import logging
 import shlex
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -66,6 +74,15 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
+BASELINE = "defaults, baseline checkout"
+
+
+def _event_loop_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process's main thread (the server's event loop)."""
+    thread = next(t for t in psutil.Process(pid).threads() if t.id == pid)
+    return float(thread.user_time + thread.system_time)
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process and its children."""
     process = psutil.Process(pid)
@@ -77,30 +94,39 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, flags: list[str],
-            log_path: Path, rate: float | None = None, duration_s: float = 30.0) -> dict[str, Any]:
-    """One server with `flags`: warm-up, then the closed loop over `texts` (or, with `rate`, an
-    open loop for `duration_s`)."""
+            log_path: Path, rate: float | None = None, duration_s: float = 30.0,
+            checkout: Path | None = None) -> dict[str, Any]:
+    """One server with `flags` (from the code of `checkout`, if given): warm-up, then the closed
+    loop over `texts` (or, with `rate`, an open loop for `duration_s`)."""
     port = free_port()
-    command = service_command(models_dir, port) + flags
-    server = ServerProcess(command, port, log_path, env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
+    command = service_command(models_dir.resolve(), port) + flags
+    env = {"ATTNSERVE_MAX_TEXT_CHARS": "100000"}
+    if checkout is not None:  # run there: `python -m` puts the working directory first
+        env["PYTHONPATH"] = str(checkout.resolve())
+    server = ServerProcess(command, port, log_path.resolve(), env=env,
+                           cwd=checkout.resolve() if checkout is not None else None)
     server.start()
     try:
         url = server.url + "/v1/translate"  # the repository's translation model
         asyncio.run(load.closed_loop(url, load.text_bodies(texts[: 2 * concurrency]), concurrency))  # warm-up
         assert server.process is not None
         cpu_before = _cpu_seconds(server.process.pid)
+        loop_before = _event_loop_cpu_seconds(server.process.pid)
         if rate is None:
             result = asyncio.run(load.closed_loop(url, load.text_bodies(texts), concurrency))
         else:
             result = asyncio.run(load.open_loop(url, load.text_bodies(texts), rate, duration_s))
         cards = httpx.get(server.url + "/v1/models", timeout=10).json()["models"]
         cpu = _cpu_seconds(server.process.pid) - cpu_before
+        loop_cpu = _event_loop_cpu_seconds(server.process.pid) - loop_before
     finally:
         peak = server.stop()
     stats = result.stats().to_dict()
     batching = next(c["batching"] for c in cards if c["name"] == model)
-    return {**stats, "flags": flags, "server_cpu_s": round(cpu, 2), "peak_rss_mb": round(peak, 1),
-            "batching": batching}
+    answered = max(len(result.samples), 1)
+    return {**stats, "flags": flags, "server_cpu_s": round(cpu, 2), "event_loop_cpu_s": round(loop_cpu, 2),
+            "event_loop_ms_per_request": round(1000 * loop_cpu / answered, 3),
+            "peak_rss_mb": round(peak, 1), "batching": batching}
 
 
 def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload,
@@ -132,8 +158,9 @@ def markdown(results: dict[str, Any]) -> str:
               f"columns: the median run ({'by p95' if results.get('rate') else 'by sentences/s'})."), "",
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
-             "| variant | flags | sentences/s | p50 s | p95 s | server CPU s | joins (batches) | vs CTranslate2 |",
-             "|---|---|---|---|---|---|---|---|"]
+             ("| variant | flags | sentences/s | p50 s | p95 s | server CPU s | event loop ms/request "
+              "| joins (batches) | vs CTranslate2 |"),
+             "|---|---|---|---|---|---|---|---|---|"]
     reference = results.get("ctranslate2")
     for name, run in results["variants"].items():
         speeds = [r["sentences_per_s"] for r in run["runs"]]
@@ -141,13 +168,21 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} "
                      f"({min(speeds):.1f}-{max(speeds):.1f}) | "
                      f"{run['latency_p50_s']:.3f} | {run['latency_p95_s']:.3f} | {run['server_cpu_s']:.1f} | "
-                     f"{run['batching']['batches']} | {ratio} |")
+                     f"{_loop_ms(run)} | {run['batching']['batches']} | {ratio} |")
     if reference:
         speeds = [r["sentences_per_s"] for r in reference["runs"]]
         lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, max_batch_size "
                      f"{reference['max_batch_size']}) | - | {reference['sentences_per_s']:.1f} "
-                     f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | 1.00 |")
+                     f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | 1.00 |")
     return "\n".join(lines) + "\n"
+
+
+def _loop_ms(run: dict[str, Any]) -> str:
+    """The event loop's CPU ms per request: the median run's (min-max over the runs)."""
+    values = [r["event_loop_ms_per_request"] for r in run["runs"] if "event_loop_ms_per_request" in r]
+    if not values:
+        return "-"
+    return f"{run['event_loop_ms_per_request']:.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _run_in_turns(args: argparse.Namespace, workload: workload_module.Workload,
@@ -161,8 +196,9 @@ def _run_in_turns(args: argparse.Namespace, workload: workload_module.Workload,
             logger.info("CTranslate2 int8: %.1f sentences/s", reference_runs[-1]["sentences_per_s"])
         for index, name in enumerate(args.variants):
             logger.info("%s (run %d) ...", name, repeat + 1)
-            run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS[name],
-                          args.out / "logs" / f"{index}-{repeat}.log", args.rate, args.duration_s)
+            run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS.get(name, []),
+                          args.out / "logs" / f"{index}-{repeat}.log", args.rate, args.duration_s,
+                          checkout=args.baseline if name == BASELINE else None)
             logger.info("%s: %.1f sentences/s", name, run["sentences_per_s"])
             runs[name].append(run)
     return reference_runs
@@ -179,10 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=None, help="open loop at this many requests/s instead")
     parser.add_argument("--duration-s", type=float, default=30.0, help="length of each open-loop run")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="also run the defaults from the code of this checkout, in the same turns")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, in turn")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="also time CTranslate2 int8 translate_batch in the same turns (needs ctranslate2)")
     args = parser.parse_args(argv)
+    if args.baseline is not None:
+        args.variants = [BASELINE, *args.variants]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from model.tokenizer import Tokenizer
@@ -198,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         "rate": args.rate, "duration_s": args.duration_s,
         "repeats": args.repeats, "variants": {},
     }
+    if args.baseline is not None:
+        results["baseline_commit"] = subprocess.run(
+            ["git", "-C", str(args.baseline), "rev-parse", "HEAD"], capture_output=True, text=True,
+            check=False).stdout.strip() or None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
     with tempfile.TemporaryDirectory(prefix="levers-") as scratch:
         reference = ctranslate2_reference(folder, workload, Path(scratch)) if args.ctranslate2 else None

@@ -54,8 +54,9 @@ class ServerProcess:
     """One server subprocess: its URL, its log file, and its peak RSS while it runs."""
 
     def __init__(self, command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
-                 ready_path: str = "/health/ready") -> None:
+                 ready_path: str = "/health/ready", cwd: Path | None = None) -> None:
         self.command = command
+        self.cwd = cwd  # where it runs (its first import path with `python -m`)
         self.port = port
         self.url = f"http://{HOST}:{port}"
         self.log_path = log_path
@@ -68,7 +69,8 @@ class ServerProcess:
         """Start the process and return once `ready_path` answers 200 (raises if it never does)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                        cwd=self.cwd)
         log.close()
         self.rss = PeakRss(self.process.pid).start()
         deadline = time.monotonic() + timeout_s

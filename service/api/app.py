@@ -32,15 +32,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.auth import require_api_key
 from service.api.deadline import HEADER as TIMEOUT_HEADER
 from service.api.errors import error_response, install_error_handlers
-from service.api.media_type import require_json
 from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
 from service.api.shed import SHED_STATE, Shedder, ShedMiddleware
 from service.core.registry import (
@@ -127,12 +125,10 @@ def create_app(
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     app.add_middleware(ShedMiddleware, shedder=shedder)
     app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
-    inference = [Depends(require_api_key), Depends(require_json)]
-    for router in (generate.router, attention.router):
-        app.include_router(router, dependencies=inference)
-    # KServe v2: the protocol's own content types (JSON or the binary extension); `infer`
-    # carries its own bearer-token dependency.
-    for router in (models.router, health.router, kserve.router, page.router, docs.router):
+    # the inference routes check the bearer token and (but KServe v2's, JSON or binary) the
+    # body's type in their one dependency (`service.api.routes.deps`)
+    for router in (generate.router, attention.router, models.router, health.router, kserve.router,
+                   page.router, docs.router):
         app.include_router(router)
     if settings.metrics_port is None:
         app.include_router(prometheus.router)

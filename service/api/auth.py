@@ -4,7 +4,7 @@ With no key configured every request passes. With one, a request needs the heade
 `Authorization: Bearer <key>`; the comparison is constant-time (`hmac.compare_digest`) and a
 missing or wrong token gets a 401 with the error body and `WWW-Authenticate: Bearer`.
 
-The inference routes need it (`require_api_key`); so do the API's descriptions -- `/docs`,
+The inference routes need it (their dependency, `service.api.routes.deps`); so do the API's descriptions -- `/docs`,
 `/redoc`, `/openapi.json`, `GET /v1/models`, the KServe model metadata -- unless
 `public_metadata` opens them (`require_api_key_for_metadata`). Probes, metrics and the page
 stay open.
@@ -33,11 +33,6 @@ def check_api_key(authorization: str | None, settings: Settings) -> None:
     matches = hmac.compare_digest(given, expected)
     if scheme.lower() != SCHEME or not matches:
         raise Unauthorized("a valid bearer token is required")
-
-
-async def require_api_key(request: Request) -> None:
-    """Dependency of the inference routers: the app's settings decide."""
-    check_api_key(request.headers.get("authorization"), request.app.state.settings)
 
 
 async def require_api_key_for_metadata(request: Request) -> None:

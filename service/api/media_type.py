@@ -5,7 +5,6 @@ Without this FastAPI would skip parsing a `text/plain` or form body and answer a
 
 from __future__ import annotations
 
-from fastapi import Request
 from starlette.exceptions import HTTPException
 
 
@@ -17,7 +16,8 @@ def is_json(content_type: str | None) -> bool:
     )
 
 
-async def require_json(request: Request) -> None:
-    """Dependency of the inference routers: 415 unless the body is declared JSON."""
-    if not is_json(request.headers.get("content-type")):
+def check_json(content_type: str | None) -> None:
+    """415 unless the body is declared JSON (the inference routes' dependency,
+    `service.api.routes.deps.json_inference`)."""
+    if not is_json(content_type):
         raise HTTPException(415, "the body must be JSON (Content-Type: application/json)")

@@ -13,7 +13,8 @@ validation and tokenization of its body, and keeps its cores for the requests it
 - the server's protocol (`service.process.http.Guards`, on httptools' parser), which finds the
   `Shedder` in the lifespan state under `SHED_STATE` and answers from the parser's callback
   without starting the ASGI app at all (no task, no middleware chain), counting the request in
-  `requests_total` and `request_duration_seconds` itself.
+  `requests_total` and `request_duration_seconds` itself; a request it lets through carries
+  `SHED_CHECKED` in its scope, and the middleware does not decide again.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from service.observability import metrics
 
 SHED_PATHS = {"/v1/translate": "translate", "/v1/summarize": "summarize"}  # route -> task
 SHED_STATE = "attnserve.shed"  # the lifespan state's key of the app's `Shedder`
+SHED_CHECKED = "attnserve.shed_checked"  # scope key: the server's protocol let the request through
 _TIMEOUT_HEADER = TIMEOUT_HEADER.lower().encode("latin-1")
 
 
@@ -111,7 +113,8 @@ class ShedMiddleware:
         self.shedder = shedder
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refusal = self.shedder.refusal(scope) if scope["type"] == "http" else None
+        checked = scope["type"] != "http" or scope.get(SHED_CHECKED, False)
+        refusal = None if checked else self.shedder.refusal(scope)
         if refusal is None:
             await self.app(scope, receive, send)
             return

@@ -96,6 +96,7 @@ class Batcher:
         self._request_batch: asyncio.Task[None] | None = None  # the request-level batch beside
         self._running: list[QueuedRow] = []  # the request-level batch now generating
         self._decoding: list[QueuedRow] = []  # the rows of the running batch (continuous batching)
+        self._live = 0  # rows of the two not cancelled (`running`), recounted when they change
         self._arrived = asyncio.Event()
         self._filling = asyncio.Event()  # an arrival, for a request-level batch that fills
         self._idle = asyncio.Event()
@@ -141,8 +142,12 @@ class Batcher:
 
     @property
     def running(self) -> int:
-        """Rows of the batch now generating that are not cancelled."""
-        return sum(1 for row in [*self._running, *self._decoding] if not row.hooks.cancelled)
+        """Rows of the batch now generating that are not cancelled (read per request: counted
+        when the rows in flight change or one is cancelled, `_recount`)."""
+        return self._live
+
+    def _recount(self) -> None:
+        self._live = sum(1 for row in [*self._running, *self._decoding] if not row.hooks.cancelled)
 
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
@@ -226,6 +231,7 @@ class Batcher:
                 if row.future is future:
                     row.hooks.cancel.set()
                     stage = "decoding"
+                    self._recount()
                     break
         future.cancel()
         if stage is not None:
@@ -369,6 +375,7 @@ class Batcher:
         self.counters.batches += 1
         self.counters.rows += len(joiners)
         self._decoding.extend(joiners)
+        self._recount()
         self.counters.max_batch_rows = max(self.counters.max_batch_rows, len(self._decoding))
         self._stepper.hand_over(joiners)
 
@@ -381,6 +388,7 @@ class Batcher:
             logger.exception("model %s: the running batch of %d rows failed", self.model,
                              len(self._decoding))
             failed, self._decoding = self._decoding, []
+            self._recount()
             for row in failed:
                 if not row.future.done():
                     row.future.set_exception(InternalError("inference failed"))
@@ -407,6 +415,7 @@ class Batcher:
         done = set(map(id, (row for row, _ in finished)))
         self._queue.drain.record(len(finished), now)
         self._decoding = [row for row in self._decoding if id(row) not in done]
+        self._recount()
         for row, result in finished:
             self._observe(row, result, now - row.started_at)
             if not row.future.done():
@@ -427,6 +436,7 @@ class Batcher:
         sources = [row.source for row in rows]
         loop = asyncio.get_running_loop()
         self._running = rows  # failed by `close` if the loop is cancelled while they run
+        self._recount()
         generate = functools.partial(self._generate, hooks=[row.hooks for row in rows])
         try:
             results = await loop.run_in_executor(executor, generate, sources, key.beam_size, key.max_new_tokens)
@@ -434,12 +444,14 @@ class Batcher:
                 raise RuntimeError(f"{len(results)} results for {len(rows)} rows")
         except Exception:
             self._running = []
+            self._recount()
             logger.exception("model %s: a batch of %d rows failed", self.model, len(rows))
             for row in rows:
                 if not row.future.done():
                     row.future.set_exception(InternalError("inference failed"))
             return
         self._running = []
+        self._recount()
         elapsed = time.perf_counter() - started
         self._queue.drain.record(len(rows), started + elapsed)
         for row, result in zip(rows, results, strict=True):

@@ -39,7 +39,7 @@ from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from service.api.shed import SHED_STATE, Refusal
+from service.api.shed import SHED_CHECKED, SHED_STATE, Refusal
 from service.core.settings import Settings
 from service.observability import metrics
 
@@ -150,6 +150,7 @@ class Guards:
         shedder = self.app_state.get(SHED_STATE)
         refusal = shedder.refusal(cycle.scope) if shedder is not None else None
         if refusal is None:
+            cycle.scope[SHED_CHECKED] = True  # ShedMiddleware need not decide again
             super()._start_asgi_task(cycle, app)  # type: ignore[misc]  # httptools' protocol
             return
         self._answer(cycle, refusal)

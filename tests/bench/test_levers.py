@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from bench.levers import main
+from bench.levers import BASELINE, main
 
 
 def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -55,3 +56,30 @@ def test_levers_open_loop_at_a_rate(tiny_bench_dirs: tuple[Path, Path], tmp_path
     assert results["rate"] == 10 and run["errors"] == 0
     assert run["sentences"] == 15  # 10/s for 1.5 s, the 8 sentences cycled
     assert "at an offered load of 10 requests/s" in (out / "levers.md").read_text(encoding="utf-8")
+
+
+def test_levers_run_a_baseline_checkout_in_the_same_turns(
+    tiny_bench_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models, data = tiny_bench_dirs
+    root = Path(__file__).resolve().parents[2]
+    checkout = tmp_path / "checkout"
+    for package in ("attnserve", "bench", "export", "model", "service"):
+        shutil.copytree(root / package, checkout / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    marker = tmp_path / "baseline-ran"
+    # the checkout's code, not this one's, leaves a mark when the server imports it
+    with (checkout / "service" / "__init__.py").open("a", encoding="utf-8") as init:
+        init.write('\nimport os\nopen(os.environ["LEVERS_TEST_MARK"], "a").close()\n')
+    monkeypatch.setenv("LEVERS_TEST_MARK", str(marker))
+    out = tmp_path / "levers"
+    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
+                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "1",
+                 "--variants", "defaults (continuous batching)", "--baseline", str(checkout)]) == 0
+    assert marker.exists()
+    results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
+    assert list(results["variants"]) == [BASELINE, "defaults (continuous batching)"]
+    for run in results["variants"].values():
+        assert run["errors"] == 0 and 0 < run["event_loop_cpu_s"] <= run["server_cpu_s"]
+        assert run["event_loop_ms_per_request"] > 0
+    assert f"| {BASELINE} | `-` |" in (out / "levers.md").read_text(encoding="utf-8")

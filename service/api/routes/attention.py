@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request, Response
 from service.api.deadline import request_deadline
 from service.api.disconnect import unless_disconnected
 from service.api.pipeline import attention_runtime, within_deadline
-from service.api.routes.deps import RegistryDep, SettingsDep
+from service.api.routes.deps import JsonInferenceDep
 from service.api.routes.generate import ERROR_RESPONSES
 from service.api.schemas import AttentionRequest, AttentionResponse
 from service.core.errors import InvalidInput
@@ -32,10 +32,11 @@ router = APIRouter(tags=["attention"])
 
 @router.post("/v1/attention", response_model=AttentionResponse, responses=ERROR_RESPONSES)
 async def post_attention(
-    body: AttentionRequest, request: Request, registry: RegistryDep, settings: SettingsDep
+    body: AttentionRequest, request: Request, serving: JsonInferenceDep
 ) -> Response:
     """Attention weights `[layer][head][query][key]` of each kind asked for, with the tokens."""
     started = time.perf_counter()
+    registry, settings = serving.registry, serving.settings
     task = body.task if body.task is not None or body.model is not None else "translate"
     entry = registry.resolve(task, body.model)
     request.state.model = entry.name  # the metrics label of this request

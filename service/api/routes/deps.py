@@ -1,15 +1,20 @@
-"""Dependencies of the routes: the settings and the model registry of the running app.
+"""Dependencies of the routes: the settings and the model registry of the running app, and the
+inference routes' one dependency, which checks the request before giving both.
 
-Both are `async def`: FastAPI runs a plain `def` dependency in its thread pool, two thread
+All are `async def`: FastAPI runs a plain `def` dependency in its thread pool, two thread
 hops per request for an attribute lookup (and a wait for a core when the model's threads
-hold them all)."""
+hold them all). An inference route takes one dependency, not one per check: FastAPI solves
+each dependency of each request anew."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.api.auth import check_api_key
+from service.api.media_type import check_json
 from service.core.registry import ModelRegistry
 from service.core.settings import Settings
 
@@ -26,5 +31,40 @@ async def get_registry(request: Request) -> ModelRegistry:
     return registry
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What an inference route works with: the app's model registry and settings."""
+
+    registry: ModelRegistry
+    settings: Settings
+
+
+def _serving(request: Request) -> Serving:
+    """The app's `Serving` once its bearer token is checked (`service.api.auth`: 401)."""
+    state = request.app.state
+    check_api_key(request.headers.get("authorization"), state.settings)
+    serving: Serving | None = getattr(state, "serving", None)
+    if serving is None:
+        serving = state.serving = Serving(state.registry, state.settings)
+    return serving
+
+
+async def authorized(request: Request) -> Serving:
+    """Dependency of a route that reads its own body (KServe v2: JSON or binary tensors): the
+    bearer token, then the registry and settings."""
+    return _serving(request)
+
+
+async def json_inference(request: Request) -> Serving:
+    """Dependency of the JSON inference routes: the bearer token (401), a body declared JSON
+    (415, `service.api.media_type`), then the registry and settings; both checks come before
+    the body is validated."""
+    serving = _serving(request)
+    check_json(request.headers.get("content-type"))
+    return serving
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
+AuthorizedDep = Annotated[Serving, Depends(authorized)]
+JsonInferenceDep = Annotated[Serving, Depends(json_inference)]

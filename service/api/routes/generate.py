@@ -27,7 +27,7 @@ from service.api import pipeline, streaming
 from service.api.deadline import request_deadline
 from service.api.decode_options import decode_options, whole_texts
 from service.api.pipeline import attention_runtime, within_deadline
-from service.api.routes.deps import RegistryDep, SettingsDep
+from service.api.routes.deps import JsonInferenceDep
 from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
 from service.core.registry import ModelRegistry
 from service.core.settings import Settings
@@ -54,19 +54,19 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
 @router.post("/v1/translate", response_model=GenerateResponse, responses=GENERATE_RESPONSES,
              response_model_exclude_none=True)
 async def translate(
-    body: GenerateRequest, request: Request, registry: RegistryDep, settings: SettingsDep
+    body: GenerateRequest, request: Request, serving: JsonInferenceDep
 ) -> Any:
     """Translate one text or a list of texts with a translation model."""
-    return await _generate("translate", body, request, registry, settings)
+    return await _generate("translate", body, request, serving.registry, serving.settings)
 
 
 @router.post("/v1/summarize", response_model=GenerateResponse, responses=GENERATE_RESPONSES,
              response_model_exclude_none=True)
 async def summarize(
-    body: GenerateRequest, request: Request, registry: RegistryDep, settings: SettingsDep
+    body: GenerateRequest, request: Request, serving: JsonInferenceDep
 ) -> Any:
     """Summarize one text or a list of texts with a summarization model."""
-    return await _generate("summarize", body, request, registry, settings)
+    return await _generate("summarize", body, request, serving.registry, serving.settings)
 
 
 async def _generate(

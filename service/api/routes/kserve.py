@@ -22,11 +22,11 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from service.api import open_inference, pipeline
-from service.api.auth import require_api_key, require_api_key_for_metadata
+from service.api.auth import require_api_key_for_metadata
 from service.api.deadline import request_deadline
 from service.api.decode_options import decode_options, whole_texts
 from service.api.errors import describe_validation_errors, status_of
-from service.api.routes.deps import RegistryDep, SettingsDep
+from service.api.routes.deps import AuthorizedDep, RegistryDep
 from service.core.errors import ModelNotFound, ServiceError, shorten
 from service.core.registry import ModelEntry, ModelRegistry
 
@@ -135,15 +135,15 @@ INFER_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": _inlined(open_inference.InferenceRequest.model_json_schema())}}}}
 
 
-@router.post("/v2/models/{name}/infer", responses=RESPONSES,
-             dependencies=[Depends(require_api_key)], openapi_extra=INFER_BODY)
+@router.post("/v2/models/{name}/infer", responses=RESPONSES, openapi_extra=INFER_BODY)
 @router.post("/v2/models/{name}/versions/{version}/infer", responses=RESPONSES,
-             dependencies=[Depends(require_api_key)], openapi_extra=INFER_BODY)
+             openapi_extra=INFER_BODY)
 async def infer(
-    name: str, request: Request, registry: RegistryDep, settings: SettingsDep,
+    name: str, request: Request, serving: AuthorizedDep,
     version: str = open_inference.MODEL_VERSION,
 ) -> Response:
     """Generate for every element of the BYTES input `text`; JSON or binary tensors."""
+    registry, settings = serving.registry, serving.settings
     _known(registry, name, version)
     entry = registry.resolve(None, name)
     request.state.model = entry.name  # the metrics label of this request

@@ -24,6 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.app import create_app
+from service.api.shed import Shedder
 from service.core.settings import Settings
 from service.observability.metrics import REGISTRY
 from service.process.http import guarded_protocol
@@ -204,3 +205,26 @@ def test_a_pipelined_request_shed_after_the_one_before_keeps_the_header_size_lim
         status, _, body = read_response(connection)
     assert statuses == [422, 429]
     assert status == 431 and json.loads(body)["error_type"] == "headers_too_large"
+
+
+@pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def test_a_request_let_through_is_decided_once(models_dir: Path, base: type[Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    decided: list[str] = []
+    refusal = Shedder.refusal
+
+    def counting(self: Shedder, scope: Any) -> Any:
+        decided.append(scope["path"])
+        return refusal(self, scope)
+
+    monkeypatch.setattr(Shedder, "refusal", counting)
+    settings = Settings(models_dir=models_dir)
+    app = create_app(settings, loader=FakeLoader(), generator=lambda runtime: FakeModel().generate)
+    with serve(app, http=guarded_protocol(settings, base)) as url:
+        wait_until_ready(url)
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as connection:
+            connection.sendall(request("/v1/translate", b'{"text": "hello"}'))
+            status, _, _ = read_response(connection)
+    # the protocol (httptools) or the middleware (h11) decides; never both
+    assert status == 200 and decided.count("/v1/translate") == 1
