@@ -25,15 +25,21 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T], model: str) -> T:
-    """`await work`, cancelled with `ClientDisconnected` as soon as the client is gone."""
+async def unless_disconnected(request: Request, work: Awaitable[T], model: str,
+                              timeout_s: float | None = None) -> T:
+    """`await work`, cancelled with `ClientDisconnected` as soon as the client is gone, or with
+    `TimeoutError` after `timeout_s` (one wait for both: no task more for the timeout)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_until_disconnect(request))
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             return task.result()
         task.cancel()
+        await asyncio.wait({task})  # its rows cancelled (the batcher's `cancel`) before the answer
+        if not done:
+            raise TimeoutError
         metrics.REJECTED_TOTAL.labels(model, "disconnected").inc()
         logger.info("model %s: client gone, dropped its queued request", model)
         raise ClientDisconnected("the client closed the connection")

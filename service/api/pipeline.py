@@ -134,10 +134,9 @@ async def generate(
         prepared.sources, prepared.beam_size, prepared.max_new_tokens,
         deadline.at if deadline is not None else None, hooks=prepared.options.hooks(len(prepared.sources)),
     )
-    if request is not None:
-        submitted = unless_disconnected(request, submitted, entry.name)
     return await within_deadline(submitted, entry, prepared.started, settings,
-                                 budget_s=deadline.budget_s if deadline is not None else None)
+                                 budget_s=deadline.budget_s if deadline is not None else None,
+                                 request=request)
 
 
 def outputs(
@@ -179,13 +178,16 @@ def attention_runtime(runtime: Any) -> Runtime:
 
 async def within_deadline(
     work: Awaitable[T], entry: ModelEntry, started: float, settings: Settings,
-    budget_s: float | None = None,
+    budget_s: float | None = None, request: Request | None = None,
 ) -> T:
     """`await work`, or `DeadlineExceeded` (504) once the request is `budget_s` old
-    (default `request_timeout_s`), whether it was still queued or running."""
+    (default `request_timeout_s`), whether it was still queued or running; with `request`,
+    `ClientDisconnected` as soon as its client goes away (`service.api.disconnect`)."""
     budget_s = settings.request_timeout_s if budget_s is None else budget_s
     remaining = budget_s - (time.perf_counter() - started)
     try:
+        if request is not None:
+            return await unless_disconnected(request, work, entry.name, timeout_s=max(remaining, 0))
         return await asyncio.wait_for(work, remaining)
     except (TimeoutError, DeadlineExceeded):
         metrics.REJECTED_TOTAL.labels(entry.name, "deadline").inc()

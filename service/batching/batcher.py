@@ -96,7 +96,10 @@ class Batcher:
         self._request_batch: asyncio.Task[None] | None = None  # the request-level batch beside
         self._running: list[QueuedRow] = []  # the request-level batch now generating
         self._decoding: list[QueuedRow] = []  # the rows of the running batch (continuous batching)
-        self._live = 0  # rows of the two not cancelled (`running`), recounted when they change
+        # counted when the rows in flight change (`_recount`), read per request and per event
+        self._live = 0  # rows of the two not cancelled (`running`)
+        self._longest = 0  # the longest source of `_decoding`
+        self._in_flight_tokens = 0  # source tokens of the two
         self._arrived = asyncio.Event()
         self._filling = asyncio.Event()  # an arrival, for a request-level batch that fills
         self._idle = asyncio.Event()
@@ -116,8 +119,9 @@ class Batcher:
 
     def source_tokens(self) -> tuple[int, int]:
         """(rows, their source tokens) queued or generating: what `BatcherPool` routes by."""
-        rows = [*self._queue, *self._running, *self._decoding]
-        return len(rows), sum(len(row.source) for row in rows)
+        queued = sum(len(row.source) for row in self._queue)
+        return (len(self._queue) + len(self._running) + len(self._decoding),
+                queued + self._in_flight_tokens)
 
     def _publish_depth(self) -> None:
         if self.on_depth is not None:
@@ -142,12 +146,15 @@ class Batcher:
 
     @property
     def running(self) -> int:
-        """Rows of the batch now generating that are not cancelled (read per request: counted
-        when the rows in flight change or one is cancelled, `_recount`)."""
+        """Rows of the batch now generating that are not cancelled."""
         return self._live
 
     def _recount(self) -> None:
-        self._live = sum(1 for row in [*self._running, *self._decoding] if not row.hooks.cancelled)
+        """The figures of the rows in flight, after they changed or one was cancelled."""
+        in_flight = [*self._running, *self._decoding]
+        self._live = sum(1 for row in in_flight if not row.hooks.cancelled)
+        self._in_flight_tokens = sum(len(row.source) for row in in_flight)
+        self._longest = max((len(row.source) for row in self._decoding), default=0)
 
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
@@ -329,8 +336,9 @@ class Batcher:
         batch = self._stepper.batch
         return policy.RunningState(
             rows=len(self._decoding),
-            longest=max((len(row.source) for row in self._decoding), default=0),
-            oldest_age=batch.oldest_age if self._decoding else 0,
+            longest=self._longest,
+            # only a batch padded to its oldest row is limited by its age (`policy.joiners`)
+            oldest_age=batch.oldest_age if self._decoding and batch.pads_to_oldest else 0,
             pads_to_oldest=batch.pads_to_oldest,
         )
 

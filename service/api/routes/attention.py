@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from service.api.deadline import request_deadline
-from service.api.disconnect import unless_disconnected
 from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import JsonInferenceDep
 from service.api.routes.generate import ERROR_RESPONSES
@@ -60,7 +59,7 @@ async def post_attention(
         submitted = entry.batcher.submit([source_ids], 1, _generation_limit(runtime, settings),
                                          deadline.at)
         [result] = await within_deadline(
-            unless_disconnected(request, submitted, entry.name), entry, started, settings,
+            submitted, entry, started, settings, request=request,
             budget_s=deadline.budget_s,
         )
         target_ids = list(result.tokens)
