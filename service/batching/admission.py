@@ -3,10 +3,12 @@
 A request's rows (one per text) enter together or not at all: `NotReady` (503) once the queue
 stops accepting (draining), `Overloaded` (429) when they would exceed `max_queue_size` (calls
 of `Batcher.run` waiting count against it too), or when they are expected to take more than
-`DEADLINE_SHARE` of the time left to the request's deadline at the rate the batcher has been
-finishing rows (`DrainRate`: the rows ahead of them, queued and decoding, and their own,
-divided by the rows finished per second over the last seconds). Refusing those at once keeps an overloaded server doing work that meets its
-deadlines instead of starting rows that time out. A row may carry a deadline (`perf_counter`
+a share of the time left to the request's deadline at the rate the batcher has been finishing
+rows (`DrainRate`: the rows ahead of them, queued and decoding, and their own, divided by the
+rows finished per second over the last seconds). Refusing those at once keeps an overloaded
+server doing work that meets its deadlines instead of starting rows that time out. The share
+adapts to the rows' outcomes (`AdmissionShare`): it grows while rows finish with time to spare,
+so that the batch fills, and is cut when a row misses its deadline. A row may carry a deadline (`perf_counter`
 seconds): one still queued when it passes fails with `DeadlineExceeded` and never reaches the
 model. Rows leave the queue when a batch takes them, when their request cancels them, or, done
 already, when they reach its head.
@@ -45,10 +47,35 @@ class QueuedRow:
         return self.future.done()
 
 
-# The share of a request's remaining time its rows may be expected to take (`expected_s`); the
-# rest is left for what the estimate does not see (reading and answering the request while the
-# event loop is busy, a slower step than the recent ones).
-DEADLINE_SHARE = 0.5
+class AdmissionShare:
+    """The share of a request's remaining time its rows may be expected to take (`expected_s`):
+    the rest is left for what the estimate does not see (reading and answering the request
+    while the event loop is busy, steps slower than the recent ones).
+
+    Additive increase, multiplicative decrease on the outcomes of rows with a deadline, each
+    as the time it took from admission over the time it had (`observe`): when one of the rows
+    finished together missed its deadline the share is cut by `cut` and then held for `hold_s`
+    (the rows admitted under the old share finish meanwhile); when all took at most `slack` of
+    their time it grows by `step`; otherwise it stays. Always within [`low`, `high`].
+    """
+
+    def __init__(self, start: float = 0.5, low: float = 0.25, high: float = 0.9, slack: float = 0.75,
+                 step: float = 0.01, cut: float = 0.7, hold_s: float = 1.0) -> None:
+        self.value = start
+        self.low, self.high, self.slack = low, high, slack
+        self.step, self.cut, self.hold_s = step, cut, hold_s
+        self._held_until = float("-inf")
+
+    def observe(self, used: Collection[float], now: float) -> None:
+        """Rows finished at `now`, each having used this share of its time (over 1: missed)."""
+        if not used or now < self._held_until:
+            return
+        worst = max(used)
+        if worst > 1.0:
+            self.value = max(self.low, self.value * self.cut)
+            self._held_until = now + self.hold_s
+        elif worst <= self.slack:
+            self.value = min(self.high, self.value + self.step)
 
 
 class DrainRate:
@@ -90,7 +117,8 @@ class AdmissionQueue:
         self.accepting = True
         self._rows: deque[QueuedRow] = deque()
         self._on_change = on_change  # called whenever the number of queued rows changes
-        self.drain = DrainRate()  # the batcher records the rows it finishes
+        self.drain = DrainRate()  # the batcher records the rows it finishes (`finished`)
+        self.share = AdmissionShare()
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -122,7 +150,7 @@ class AdmissionQueue:
     def refusal(self, rows: int, budget_s: float | None, in_flight: int, reserved: int = 0) -> str | None:
         """Why `rows` more rows would be refused ("draining"; "queue_full" beside `reserved`
         other waiting work; "expected_wait": with `budget_s` seconds left, expected to take more
-        than `DEADLINE_SHARE` of them behind the queue and the `in_flight` rows decoding, at the
+        than the share (`AdmissionShare`) of them behind the queue and the `in_flight` rows decoding, at the
         drain rate), or None when they would be taken."""
         if not self.accepting:
             return "draining"
@@ -130,9 +158,21 @@ class AdmissionQueue:
             return "queue_full"
         if budget_s is not None:
             expected = self.expected_s(rows, in_flight, time.perf_counter(), reserved)
-            if expected is not None and expected > DEADLINE_SHARE * budget_s:
+            if expected is not None and expected > self.share.value * budget_s:
                 return "expected_wait"
         return None
+
+    def finished(self, rows: Collection[QueuedRow], now: float, cancelled: Collection[QueuedRow] = ()) -> None:
+        """`rows` left their batch at `now` (`cancelled` of them cancelled by their request):
+        the drain rate counts them all, the share the outcomes of those with a deadline (a row
+        cancelled before its deadline -- its client went away -- tells nothing)."""
+        self.drain.record(len(rows), now)
+        gone = set(map(id, cancelled))
+        used = [(now - row.enqueued_at) / max(row.deadline - row.enqueued_at, 1e-9)
+                for row in rows if row.deadline is not None
+                and (id(row) not in gone or now > row.deadline)]
+        self.share.observe(used, now)
+        metrics.ADMISSION_SHARE.labels(self.model).set(self.share.value)
 
     def expected_s(self, rows: int, in_flight: int, now: float, reserved: int = 0) -> float | None:
         """Seconds until `rows` more rows would be done behind the queue and the `in_flight`
@@ -155,10 +195,14 @@ class AdmissionQueue:
         return False
 
     def expire(self, now: float) -> None:
-        """Fail the queued rows whose deadline has passed."""
-        for row in self._rows:
-            if row.deadline is not None and now >= row.deadline and not row.done:
-                row.future.set_exception(DeadlineExceeded("the deadline passed while the request was queued"))
+        """Fail the queued rows whose deadline has passed (misses: `AdmissionShare`)."""
+        expired = [row for row in self._rows
+                   if row.deadline is not None and now >= row.deadline and not row.done]
+        for row in expired:
+            row.future.set_exception(DeadlineExceeded("the deadline passed while the request was queued"))
+        if expired:
+            self.share.observe([float("inf")], now)
+            metrics.ADMISSION_SHARE.labels(self.model).set(self.share.value)
 
     def drop_done_head(self) -> None:
         """Remove the resolved rows at the head, so `head` is a row still waiting."""

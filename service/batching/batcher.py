@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from service.batching import policy
-from service.batching.admission import AdmissionQueue, QueuedRow
+from service.batching.admission import AdmissionQueue, AdmissionShare, QueuedRow
 from service.batching.in_flight import InFlightBatch
 from service.batching.policy import BatchLimits, RowKey
 from service.batching.stepper import Stepper
@@ -111,6 +111,15 @@ class Batcher:
         # publishes `queue_depth` when the queue changes; a `BatcherPool` sets it to publish
         # the sum over the model's batchers
         self.on_depth: Callable[[], None] | None = None
+
+    @property
+    def share(self) -> AdmissionShare:
+        """The admission share of its queue (`AdmissionShare`; a pool's batchers share one)."""
+        return self._queue.share
+
+    @share.setter
+    def share(self, share: AdmissionShare) -> None:
+        self._queue.share = share
 
     @property
     def depth(self) -> int:
@@ -421,7 +430,8 @@ class Batcher:
     def _finish(self, finished: Sequence[tuple[QueuedRow, Generated]], now: float) -> None:
         """Event loop: resolve the futures of rows that left the running batch."""
         done = set(map(id, (row for row, _ in finished)))
-        self._queue.drain.record(len(finished), now)
+        self._queue.finished([row for row, _ in finished], now,
+                             [row for row, result in finished if result.finish_reason == "cancelled"])
         self._decoding = [row for row in self._decoding if id(row) not in done]
         self._recount()
         for row, result in finished:
@@ -461,7 +471,9 @@ class Batcher:
         self._running = []
         self._recount()
         elapsed = time.perf_counter() - started
-        self._queue.drain.record(len(rows), started + elapsed)
+        self._queue.finished(rows, started + elapsed,
+                             [row for row, result in zip(rows, results, strict=True)
+                              if result.finish_reason == "cancelled"])
         for row, result in zip(rows, results, strict=True):
             self._observe(row, result, elapsed)
             if not row.future.done():

@@ -14,7 +14,8 @@ thus settle into bands of source length, and as output length follows source len
 translation and summarization, each running batch holds rows of similar lengths: less source
 padding, and a shorter self-attention cache (a running batch's cache is as long as its oldest
 row's output). With `length_slack` 0 the least loaded batcher takes it. `run` calls
-(attention maps) go to the least loaded. `queue_depth` is published as the sum over the
+(attention maps) go to the least loaded. The batchers share one admission share
+(`service.batching.admission.AdmissionShare`). `queue_depth` is published as the sum over the
 batchers, and the counters are summed (`max_batch_rows`: the largest).
 """
 
@@ -44,6 +45,8 @@ class BatcherPool:
         self._owners: dict[asyncio.Future[Any], Batcher] = {}  # enqueued rows not yet done
         for batcher in self.batchers:
             batcher.on_depth = self._publish_depth
+            # on the same cores, one admission share: a row late in one is late in all
+            batcher.share = self.batchers[0].share
 
     @property
     def limits(self) -> BatchLimits:

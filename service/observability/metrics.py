@@ -90,6 +90,13 @@ QUEUE_DEPTH = Gauge(
     ["model"],
     registry=REGISTRY,
 )
+ADMISSION_SHARE = Gauge(
+    "attnserve_admission_share",
+    "Share of a request's time left its rows may be expected to wait and run; adapts to the "
+    "rows' outcomes (grows while they finish early, cut when one misses its deadline).",
+    ["model"],
+    registry=REGISTRY,
+)
 BATCH_SIZE = Histogram(
     "attnserve_batch_size",
     "Rows in each batch run by the worker (continuous batching: rows of the running batch "

@@ -10,7 +10,7 @@ import pytest
 
 from service.batching.batcher import Batcher
 from service.batching.policy import BatchLimits
-from service.core.errors import InternalError, NotReady, Overloaded
+from service.core.errors import DeadlineExceeded, InternalError, NotReady, Overloaded
 from service.generation.hooks import RowHooks
 from service.observability import metrics
 from tests.service.fakes import EOS, UNK, FakeModel, reverse
@@ -258,6 +258,63 @@ def test_the_drain_rate_is_rows_per_second_over_its_window_once_it_has_enough() 
     few.record(20, 50.0)
     few.record(20, 50.5)
     assert few.rate(50.5) is None  # 40 rows, but over less than a quarter of the window
+
+
+def test_the_admission_share_grows_while_rows_finish_early_and_is_cut_when_one_misses() -> None:
+    from service.batching.admission import AdmissionShare
+
+    share = AdmissionShare(start=0.5, low=0.25, high=0.9, slack=0.75, step=0.01, cut=0.7, hold_s=1.0)
+    share.observe([0.2, 0.6], 10.0)  # all within the slack: one step up
+    assert share.value == pytest.approx(0.51)
+    share.observe([0.2, 0.8], 10.1)  # one used more than the slack, none missed: held
+    assert share.value == pytest.approx(0.51)
+    share.observe([0.3, 1.2], 10.2)  # a miss: cut
+    assert share.value == pytest.approx(0.51 * 0.7)
+    share.observe([0.1], 10.9)  # within the hold after a cut: unchanged
+    share.observe([1.5], 11.0)
+    assert share.value == pytest.approx(0.51 * 0.7)
+    share.observe([0.1], 11.3)  # the hold is over
+    assert share.value == pytest.approx(0.51 * 0.7 + 0.01)
+    for i in range(10):  # misses a hold apart: down to the floor, no lower
+        share.observe([2.0], 20.0 + 2 * i)
+    assert share.value == 0.25
+    for i in range(100):
+        share.observe([0.1], 50.0 + 0.01 * i)
+    assert share.value == 0.9
+    share.observe([], 60.0)
+    assert share.value == 0.9
+
+
+async def test_the_admission_share_follows_the_rows_outcomes() -> None:
+    model = FakeModel(delay_s=0.02)
+    batcher = make(model, "b-share-adapts", max_batch_size=4, max_wait_s=0.001)
+    gauge = metrics.ADMISSION_SHARE.labels("b-share-adapts")
+    start = batcher.share.value
+    now = time.perf_counter()
+    await asyncio.gather(*(batcher.submit([source(3)], 1, 10, deadline=now + 10.0) for _ in range(12)))
+    grown = batcher.share.value
+    assert grown > start and gauge._value.get() == grown  # finished with time to spare
+    model.delay_s = 0.2  # a batch slower than the next row's deadline: it finishes late
+    assert await batcher.submit([source(3)], 1, 10, deadline=time.perf_counter() + 0.05)
+    assert batcher.share.value == pytest.approx(grown * batcher.share.cut)
+    assert gauge._value.get() == batcher.share.value
+    await batcher.close(1)
+
+
+async def test_a_row_expired_in_the_queue_cuts_the_admission_share() -> None:
+    from service.batching.admission import AdmissionQueue, QueuedRow
+    from service.batching.policy import RowKey
+
+    queue = AdmissionQueue("q-expire", BatchLimits(), lambda: None)
+    loop = asyncio.get_running_loop()
+    now = time.perf_counter()
+    row = QueuedRow(source(3), RowKey(1, 10), loop.create_future(), deadline=now + 0.01)
+    queue.admit([row])
+    queue.expire(now)  # not yet
+    assert queue.share.value == 0.5 and not row.done
+    queue.expire(now + 0.02)
+    assert isinstance(row.future.exception(), DeadlineExceeded)
+    assert queue.share.value == pytest.approx(0.5 * queue.share.cut)
 
 
 async def test_rows_that_would_miss_their_deadline_at_the_drain_rate_are_refused_at_once() -> None:

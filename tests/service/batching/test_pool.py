@@ -159,3 +159,10 @@ async def test_length_routing_keeps_similar_lengths_together_within_the_slack() 
         model.gate.set()
     await asyncio.gather(*futures)
     await pool.close(1)
+
+
+async def test_the_batchers_of_a_model_share_one_admission_share() -> None:
+    pool = make_pool(FakeModel(), "p-share", workers=3)
+    first = pool.batchers[0].share
+    assert all(b.share is first for b in pool.batchers)
+    await pool.close(1)

@@ -18,6 +18,7 @@ DESIGN = {
     "attnserve_inference_duration_seconds": ("histogram", {"model"}),
     "attnserve_time_per_output_token_seconds": ("histogram", {"model"}),
     "attnserve_queue_depth": ("gauge", {"model"}),
+    "attnserve_admission_share": ("gauge", {"model"}),
     "attnserve_batch_size": ("histogram", {"model"}),
     "attnserve_input_tokens_total": ("counter", {"model"}),
     "attnserve_generated_tokens_total": ("counter", {"model"}),
@@ -51,6 +52,7 @@ def _observe_everything(model: str) -> None:
     metrics.INFERENCE_DURATION_SECONDS.labels(model).observe(0.15)
     metrics.TIME_PER_OUTPUT_TOKEN_SECONDS.labels(model).observe(0.003)
     metrics.QUEUE_DEPTH.labels(model).set(5)
+    metrics.ADMISSION_SHARE.labels(model).set(0.5)
     for rows in (1, 3, 8):
         metrics.BATCH_SIZE.labels(model).observe(rows)
     metrics.INPUT_TOKENS_TOTAL.labels(model).inc(7)
