@@ -119,6 +119,7 @@ class AdmissionQueue:
         self._on_change = on_change  # called whenever the number of queued rows changes
         self.drain = DrainRate()  # the batcher records the rows it finishes (`finished`)
         self.share = AdmissionShare()
+        metrics.ADMISSION_SHARE.labels(model).set(self.share.value)
 
     def __len__(self) -> int:
         return len(self._rows)

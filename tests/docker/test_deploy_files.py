@@ -456,6 +456,7 @@ def test_dashboard_has_the_panels_of_the_design() -> None:
         "attnserve_generated_tokens_total",
         "attnserve_time_per_output_token_seconds_bucket",
         "attnserve_rejected_total",
+        "attnserve_admission_share",
         "attnserve_model_info",
         "attnserve_model_load_seconds",
     ]:
