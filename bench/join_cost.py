@@ -9,7 +9,12 @@ each batch worker has): whenever fewer than `--rows` rows are decoding, the next
 sources join, then one decoder step runs. Each mode (`SlotBatch` on the step graph; on the merged
 decoder, newcomers fill dead slots in place, or every join copies the batch, and the first again
 with each token's log-probability summed, which the service skips) runs `--repeats` times in turn; it reports the seconds spent in joins (encoder
-calls, copies), in copies alone and in decoder steps, the median run of each.
+calls, copies), in copies alone and in decoder steps, the median run of each (`--modes` picks
+some).
+
+With `--ctranslate2`, CTranslate2 int8 greedy `translate_batch` on the same weights and sources,
+one replica on one thread in batches of `--rows`, runs in the same turns: the two engines at
+the same threads and batch size, without a server around either.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +77,7 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     joins = steps = 0.0
     count = 0
     index = 0
+    begun = time.perf_counter()
     while index < len(sources) or len(batch):
         if index < len(sources) and len(batch) < rows:
             newcomers = sources[index:index + group]
@@ -82,7 +89,28 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
         batch.generate_token()
         steps += time.perf_counter() - started
         count += 1
-    return {"join_s": joins, "copy_s": copy_s, "copies": copies, "step_s": steps, "steps": count}
+    return {"join_s": joins, "copy_s": copy_s, "copies": copies, "step_s": steps, "steps": count,
+            "total_s": time.perf_counter() - begun}
+
+
+CTRANSLATE2 = "CTranslate2 int8 translate_batch, one replica on one thread"
+
+
+def _ctranslate2(model_dir: Path, tokenizer: Any, sources: list[list[int]], rows: int,
+                 max_target_len: int, scratch: Path) -> Callable[[], dict[str, float]]:
+    """A function that times CTranslate2 int8 greedy over `sources` in batches of `rows`."""
+    from bench import ctranslate2_converter, ctranslate2_runs
+
+    translator = ctranslate2_runs.load_translator(
+        ctranslate2_converter.convert(model_dir, scratch / "ctranslate2"), "int8", threads=1)
+    pieces = [tokenizer.pieces(ids) for ids in sources]
+
+    def run() -> dict[str, float]:
+        started = time.perf_counter()
+        ctranslate2_runs.translate(translator, pieces, 1, max_target_len, max_batch_size=rows)
+        return {"total_s": time.perf_counter() - started}
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=20, help="newcomers join while fewer rows decode")
     parser.add_argument("--group", type=int, default=3, help="sources per join")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--ctranslate2", action="store_true",
+                        help="also time CTranslate2 int8 on one thread in batches of --rows (needs ctranslate2)")
     args = parser.parse_args(argv)
     from model.tokenizer import Tokenizer
     from service.repository.manifest import read_manifest
@@ -106,12 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     lines = (args.data_dir / manifest.name / "test.src").read_text(encoding="utf-8").splitlines()
     sources = [tokenizer.encode(line)[: runtime.max_source_len - 1] + [runtime.eos_id]
                for line in lines[: args.sentences]]
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
-    for _ in range(args.repeats):
-        for mode, make_batch in MODES.items():
-            if make_batch is _slots and runtime.step is None:
-                continue
-            runs[mode].append(replay(runtime, sources, args.rows, args.group, make_batch))
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
+    with tempfile.TemporaryDirectory(prefix="join-cost-") as scratch:
+        reference = (_ctranslate2(args.model, tokenizer, sources, args.rows, manifest.max_target_len,
+                                  Path(scratch)) if args.ctranslate2 else None)
+        for _ in range(args.repeats):
+            if reference is not None:
+                runs.setdefault(CTRANSLATE2, []).append(reference())
+            for mode in args.modes:
+                make_batch = MODES[mode]
+                if make_batch is _slots and runtime.step is None:
+                    continue
+                runs[mode].append(replay(runtime, sources, args.rows, args.group, make_batch))
     runs = {mode: mode_runs for mode, mode_runs in runs.items() if mode_runs}
     results = {
         "command": "python -m bench.join_cost " + shlex.join(sys.argv[1:] if argv is None else argv),
@@ -125,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     for mode, values in results["modes"].items():
         median = values["median"]
+        if mode == CTRANSLATE2:
+            print(f"{mode}: {median['total_s']:.3f} s")
+            continue
         print(f"{mode}: joins {median['join_s']:.3f} s ({median['copies']:.0f} copies, {median['copy_s']:.3f} s), "
               f"steps {median['step_s']:.3f} s over {median['steps']:.0f} steps")
     return 0

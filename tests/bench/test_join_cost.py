@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.join_cost import main
+import pytest
+
+from bench.join_cost import CTRANSLATE2, main
 
 
 def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -25,3 +27,18 @@ def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path
     slots = modes["step graph, each row in its own slot"]["median"]
     assert slots["steps"] == in_place["steps"]  # the same tokens (fp32) on the step graph
     assert slots["copies"] < in_place["copies"]  # grown or shrunk a few times, never per join
+
+
+def test_join_cost_times_chosen_modes_beside_ctranslate2(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("ctranslate2")
+    models, data = tiny_bench_dirs
+    out = tmp_path / "join_cost.json"
+    slots = "step graph, each row in its own slot"
+    assert main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data), "--out", str(out),
+                 "--sentences", "20", "--rows", "8", "--repeats", "2", "--modes", slots,
+                 "--ctranslate2"]) == 0
+    modes = json.loads(out.read_text(encoding="utf-8"))["modes"]
+    assert set(modes) == {CTRANSLATE2, slots}
+    assert len(modes[CTRANSLATE2]["runs"]) == 2 and modes[CTRANSLATE2]["median"]["total_s"] > 0
+    ours = modes[slots]["median"]
+    assert ours["total_s"] >= ours["join_s"] + ours["step_s"] > 0
