@@ -12,6 +12,9 @@ with each token's log-probability summed, which the service skips) runs `--repea
 calls, copies), in copies alone and in decoder steps, the median run of each (`--modes` picks
 some).
 
+With `--profile`, one more replay of the step graph on sessions with onnxruntime's profiler
+gives the step graph's and the encoder's time per operator type (`profile` in the output).
+
 With `--ctranslate2`, CTranslate2 int8 greedy `translate_batch` on the same weights and sources,
 one replica on one thread in batches of `--rows`, runs in the same turns: the two engines at
 the same threads and batch size, without a server around either.
@@ -93,6 +96,26 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
             "total_s": time.perf_counter() - begun}
 
 
+def _profile(model_dir: Path, sources: list[list[int]], rows: int, group: int) -> dict[str, Any]:
+    """One replay of the step graph on profiled sessions: per operator type of the step graph
+    (per step) and of the encoder (per join)."""
+    from bench.decoder_profile import op_times
+    from service.runtime import ModelRuntime
+
+    with tempfile.TemporaryDirectory(prefix="join-cost-profile-") as scratch:
+        runtime = ModelRuntime.load(model_dir, providers=["CPUExecutionProvider"], threads=1, spinning=False,
+                                    memory_arena=False, profile_prefix=str(Path(scratch) / "onnxruntime"))
+        counted = replay(runtime, sources, rows, group, _slots)
+        assert runtime.step is not None
+        joins = -(-len(sources) // group)
+        return {
+            "step_graph": op_times(json.loads(Path(runtime.step.end_profiling()).read_text(encoding="utf-8")),
+                                   int(counted["steps"])),
+            "encoder": op_times(json.loads(Path(runtime.encoder.end_profiling()).read_text(encoding="utf-8")),
+                                joins),
+        }
+
+
 CTRANSLATE2 = "CTranslate2 int8 translate_batch, one replica on one thread"
 
 
@@ -123,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=3, help="sources per join")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one replay of the step graph per operator type")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="also time CTranslate2 int8 on one thread in batches of --rows (needs ctranslate2)")
     args = parser.parse_args(argv)
@@ -158,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                                     for key in mode_runs[0]}, "runs": mode_runs}
                   for mode, mode_runs in runs.items()},
     }
+    if args.profile and runtime.step is not None:
+        results["profile"] = _profile(args.model, sources, args.rows, args.group)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     for mode, values in results["modes"].items():

@@ -29,16 +29,21 @@ def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path
     assert slots["copies"] < in_place["copies"]  # grown or shrunk a few times, never per join
 
 
-def test_join_cost_times_chosen_modes_beside_ctranslate2(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+def test_join_cost_times_chosen_modes_beside_ctranslate2_and_profiles_the_step_graph(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     pytest.importorskip("ctranslate2")
     models, data = tiny_bench_dirs
     out = tmp_path / "join_cost.json"
     slots = "step graph, each row in its own slot"
     assert main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data), "--out", str(out),
                  "--sentences", "20", "--rows", "8", "--repeats", "2", "--modes", slots,
-                 "--ctranslate2"]) == 0
-    modes = json.loads(out.read_text(encoding="utf-8"))["modes"]
+                 "--ctranslate2", "--profile"]) == 0
+    results = json.loads(out.read_text(encoding="utf-8"))
+    modes = results["modes"]
     assert set(modes) == {CTRANSLATE2, slots}
     assert len(modes[CTRANSLATE2]["runs"]) == 2 and modes[CTRANSLATE2]["median"]["total_s"] > 0
     ours = modes[slots]["median"]
     assert ours["total_s"] >= ours["join_s"] + ours["step_s"] > 0
+    step_graph = results["profile"]["step_graph"]
+    assert step_graph["step_ms"] > 0 and "GroupQueryAttention" in step_graph["ops"]
+    assert sum(op["share"] for op in step_graph["ops"].values()) == pytest.approx(1.0, abs=0.01)
+    assert results["profile"]["encoder"]["step_ms"] > 0
