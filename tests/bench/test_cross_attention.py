@@ -1,0 +1,21 @@
+"""bench.cross_attention at small sizes: both formulations give the same attention, the keys
+and values read grow with the width, each width is timed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.cross_attention import CONTRIB, PRODUCTS, main
+
+
+def test_cross_attention_times_both_formulations_by_width(tmp_path: Path) -> None:
+    out = tmp_path / "cross.json"
+    assert main(["--out", str(out), "--rows", "3", "--heads", "2", "--head-dim", "8",
+                 "--widths", "4", "16", "--calls", "20"]) == 0
+    widths = json.loads(out.read_text(encoding="utf-8"))["widths"]
+    assert [w["width"] for w in widths] == [4, 16]
+    assert widths[1]["keys_values_bytes"] == 4 * widths[0]["keys_values_bytes"] == 2 * 3 * 2 * 16 * 8 * 4
+    for row in widths:
+        assert row["max_difference"] < 1e-4  # the masked softmax over each row's own length
+        assert row["ms"][PRODUCTS] > 0 and row["ms"][CONTRIB] > 0
