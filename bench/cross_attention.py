@@ -1,6 +1,13 @@
 """What one decoder layer's cross-attention costs a step, by source width: the float products
 of the step graph (scores = q Kᵀ, masked softmax, p V) against onnxruntime's
-`MultiHeadAttention` contrib operator on the same keys/values, one intra-op thread.
+`MultiHeadAttention` contrib operator on the same keys/values, and against its
+`GroupQueryAttention` over each row's own source length, one intra-op thread.
+
+`GroupQueryAttention` attends over a row's past keys/values up to its `seqlens_k` and appends
+the new position's: given the cross keys/values as the past, `seqlens_k` = the row's source
+length - 1 and, as the "new" key/value, the row's own last source position (which it writes
+where it already is: past and present bound to one buffer), it attends over exactly the row's
+source, reading nothing of the padding.
 
     python -m bench.cross_attention --out bench/results/batch-size/cross_attention.json
 
@@ -19,6 +26,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +36,7 @@ from bench import machine
 
 PRODUCTS = "MatMul, Softmax, MatMul (the step graph's)"
 CONTRIB = "MultiHeadAttention (com.microsoft)"
+OWN_LENGTH = "GroupQueryAttention over each row's own length (com.microsoft)"
 
 
 def _session(model: Any) -> Any:
@@ -71,9 +80,18 @@ def graphs(rows: int, heads: int, head_dim: int, width: int) -> dict[str, Any]:
                           domain="com.microsoft", num_heads=heads)],
         "contrib", [value("q", floats, [rows, 1, embed]), *cache, value("mask", TensorProto.INT32, [rows, width])],
         [value("out", floats, [rows, 1, embed])])
+    own_length = helper.make_graph(
+        [helper.make_node("GroupQueryAttention", ["q", "k_last", "v_last", "k", "v", "seqlens", "total"],
+                          ["out", "k_out", "v_out"], domain="com.microsoft", num_heads=heads, kv_num_heads=heads)],
+        "own_length", [value("q", floats, [rows, 1, embed]), value("k_last", floats, [rows, 1, embed]),
+                       value("v_last", floats, [rows, 1, embed]), *cache,
+                       value("seqlens", TensorProto.INT32, [rows]), value("total", TensorProto.INT32, [])],
+        [value("out", floats, [rows, 1, embed]), value("k_out", floats, [rows, heads, width, head_dim]),
+         value("v_out", floats, [rows, heads, width, head_dim])])
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
     return {PRODUCTS: _session(helper.make_model(products, opset_imports=opsets[:1])),
-            CONTRIB: _session(helper.make_model(contrib, opset_imports=opsets))}
+            CONTRIB: _session(helper.make_model(contrib, opset_imports=opsets)),
+            OWN_LENGTH: _session(helper.make_model(own_length, opset_imports=opsets))}
 
 
 def feeds(rows: int, heads: int, head_dim: int, width: int, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
@@ -85,26 +103,57 @@ def feeds(rows: int, heads: int, head_dim: int, width: int, seed: int = 0) -> di
     lengths = rng.integers(1, width + 1, rows)
     lengths[0] = width  # the longest row sets the width
     valid = np.arange(width)[None, :] < lengths[:, None]
+    by_row = q.transpose(0, 2, 1, 3).reshape(rows, 1, heads * head_dim)
+    last = np.arange(rows), slice(None), lengths - 1  # each row's last source position
     return {PRODUCTS: {"q": q, "k": k, "v": v, "mask": valid[:, None, None, :]},
-            CONTRIB: {"q": q.transpose(0, 2, 1, 3).reshape(rows, 1, heads * head_dim), "k": k, "v": v,
-                      "mask": valid.astype(np.int32)}}
+            CONTRIB: {"q": by_row, "k": k, "v": v, "mask": valid.astype(np.int32)},
+            OWN_LENGTH: {"q": by_row, "k": k, "v": v, "k_last": k[last].reshape(rows, 1, -1),
+                         "v_last": v[last].reshape(rows, 1, -1),
+                         "seqlens": (lengths - 1).astype(np.int32), "total": np.array(width, dtype=np.int32)}}
+
+
+def _runner(name: str, session: Any, inputs: dict[str, np.ndarray]) -> tuple[Callable[[], None], Callable[[], np.ndarray]]:
+    """(one call, the attention output) of a session; `GroupQueryAttention`'s keys/values bound
+    in place (its present outputs to its past inputs' buffers), as a step graph binds them."""
+    import onnxruntime as ort
+
+    if name != OWN_LENGTH:
+        return (lambda: session.run(None, inputs)), (lambda: session.run(None, inputs)[0])
+    binding = session.io_binding()
+    binding.bind_output("out")  # first: `get_outputs` lists the bound outputs in binding order
+    for key, array in inputs.items():
+        if key in ("k", "v"):
+            buffer = ort.OrtValue.ortvalue_from_numpy(array.copy())
+            binding.bind_ortvalue_input(key, buffer)
+            binding.bind_ortvalue_output(f"{key}_out", buffer)
+        else:
+            binding.bind_cpu_input(key, array)
+
+    def output() -> np.ndarray:
+        session.run_with_iobinding(binding)
+        return np.asarray(binding.get_outputs()[0].numpy())
+
+    return (lambda: session.run_with_iobinding(binding)), output
 
 
 def measure(rows: int, heads: int, head_dim: int, width: int, calls: int) -> dict[str, Any]:
     """Median ms per call of each formulation at `width`, and their largest output difference."""
     sessions = graphs(rows, heads, head_dim, width)
     inputs = feeds(rows, heads, head_dim, width)
-    outputs = {name: session.run(None, inputs[name])[0] for name, session in sessions.items()}
+    runners = {name: _runner(name, session, inputs[name]) for name, session in sessions.items()}
+    outputs = {name: output() for name, (_, output) in runners.items()}
     times: dict[str, list[float]] = {name: [] for name in sessions}
     for _ in range(calls // 10):
-        for name, session in sessions.items():  # in turn, ten calls at a time
+        for name, (call, _) in runners.items():  # in turn, ten calls at a time
             started = time.perf_counter()
             for _ in range(10):
-                session.run(None, inputs[name])
+                call()
             times[name].append((time.perf_counter() - started) / 10 * 1000)
     read = 2 * rows * heads * width * head_dim * 4  # float32 keys and values
     return {"width": width, "keys_values_bytes": read,
-            "max_difference": float(np.abs(outputs[PRODUCTS] - outputs[CONTRIB]).max()),
+            "mean_source_length": float(inputs[OWN_LENGTH]["seqlens"].mean() + 1),
+            "max_difference": {name: float(np.abs(outputs[name] - outputs[PRODUCTS]).max())
+                               for name in (CONTRIB, OWN_LENGTH)},
             "ms": {name: round(statistics.median(values), 3) for name, values in times.items()},
             "gb_per_s": {name: round(read / 1e6 / statistics.median(values), 2) for name, values in times.items()}}
 
