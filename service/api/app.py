@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.deadline import HEADER as TIMEOUT_HEADER
 from service.api.errors import error_response, install_error_handlers
 from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
+from service.api.routes.deps import Serving
 from service.api.shed import SHED_STATE, Shedder, ShedMiddleware
 from service.core.registry import (
     GeneratorFactory,
@@ -112,6 +113,7 @@ def create_app(
     )
     app.state.settings = settings
     app.state.registry = registry
+    app.state.serving = Serving(registry, settings)  # what the inference routes depend on
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(ConcurrencyLimitMiddleware, paths=LARGE_RESPONSE_PATHS,

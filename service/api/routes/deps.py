@@ -40,12 +40,10 @@ class Serving:
 
 
 def _serving(request: Request) -> Serving:
-    """The app's `Serving` once its bearer token is checked (`service.api.auth`: 401)."""
-    state = request.app.state
-    check_api_key(request.headers.get("authorization"), state.settings)
-    serving: Serving | None = getattr(state, "serving", None)
-    if serving is None:
-        serving = state.serving = Serving(state.registry, state.settings)
+    """The app's `Serving` (`app.state.serving`, set by `create_app`) once the request's bearer
+    token is checked (`service.api.auth`: 401)."""
+    serving: Serving = request.app.state.serving
+    check_api_key(request.headers.get("authorization"), serving.settings)
     return serving
 
 
