@@ -15,7 +15,9 @@ Each graph takes one new position per row (`--rows`, `--heads` of `--head-dim`) 
 cross keys/values over `width` source columns (each row's own source length drawn below it, the
 rest masked); the two graphs run in turn, `--calls` timed calls each after a warm-up, for every
 width of `--widths`; the output gives the median milliseconds per call of each and the bytes of
-keys and values read per millisecond.
+keys and values read per millisecond. With `--model` and `--data-dir`, the rows' source lengths
+are instead those of `--batches` runs of consecutive test sentences (as they would arrive), each
+at the width of its longest rounded up to 32 columns, as the slot batch pads it.
 """
 
 from __future__ import annotations
@@ -94,14 +96,17 @@ def graphs(rows: int, heads: int, head_dim: int, width: int) -> dict[str, Any]:
             OWN_LENGTH: _session(helper.make_model(own_length, opset_imports=opsets))}
 
 
-def feeds(rows: int, heads: int, head_dim: int, width: int, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
-    """The same query, keys, values and source lengths in each formulation's layout."""
+def feeds(rows: int, heads: int, head_dim: int, width: int, seed: int = 0,
+          lengths: np.ndarray | None = None) -> dict[str, dict[str, np.ndarray]]:
+    """The same query, keys, values and source lengths (`lengths`, or drawn below `width`) in
+    each formulation's layout."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((rows, heads, 1, head_dim), dtype=np.float32)
     k = rng.standard_normal((rows, heads, width, head_dim), dtype=np.float32)
     v = rng.standard_normal((rows, heads, width, head_dim), dtype=np.float32)
-    lengths = rng.integers(1, width + 1, rows)
-    lengths[0] = width  # the longest row sets the width
+    if lengths is None:
+        lengths = rng.integers(1, width + 1, rows)
+        lengths[0] = width  # the longest row sets the width
     valid = np.arange(width)[None, :] < lengths[:, None]
     by_row = q.transpose(0, 2, 1, 3).reshape(rows, 1, heads * head_dim)
     last = np.arange(rows), slice(None), lengths - 1  # each row's last source position
@@ -136,10 +141,12 @@ def _runner(name: str, session: Any, inputs: dict[str, np.ndarray]) -> tuple[Cal
     return (lambda: session.run_with_iobinding(binding)), output
 
 
-def measure(rows: int, heads: int, head_dim: int, width: int, calls: int) -> dict[str, Any]:
-    """Median ms per call of each formulation at `width`, and their largest output difference."""
+def measure(rows: int, heads: int, head_dim: int, width: int, calls: int,
+            lengths: np.ndarray | None = None) -> dict[str, Any]:
+    """Median ms per call of each formulation at `width` (rows of `lengths`, if given), and
+    their largest output difference."""
     sessions = graphs(rows, heads, head_dim, width)
-    inputs = feeds(rows, heads, head_dim, width)
+    inputs = feeds(rows, heads, head_dim, width, lengths=lengths)
     runners = {name: _runner(name, session, inputs[name]) for name, session in sessions.items()}
     outputs = {name: output() for name, (_, output) in runners.items()}
     times: dict[str, list[float]] = {name: [] for name in sessions}
@@ -158,6 +165,19 @@ def measure(rows: int, heads: int, head_dim: int, width: int, calls: int) -> dic
             "gb_per_s": {name: round(read / 1e6 / statistics.median(values), 2) for name, values in times.items()}}
 
 
+def _test_lengths(model_dir: Path, data_dir: Path, rows: int, batches: int) -> list[np.ndarray]:
+    """Source lengths (tokens and EOS, within the model's window) of `batches` runs of `rows`
+    consecutive test sentences of the model."""
+    from model.tokenizer import Tokenizer
+    from service.repository.manifest import read_manifest
+
+    manifest = read_manifest(model_dir)
+    tokenizer = Tokenizer.from_file(model_dir / "tokenizer.model")
+    lines = (data_dir / manifest.name / "test.src").read_text(encoding="utf-8").splitlines()[: rows * batches]
+    lengths = np.array([min(len(tokenizer.encode(line)), manifest.max_source_len - 1) + 1 for line in lines])
+    return [lengths[i * rows:(i + 1) * rows] for i in range(len(lengths) // rows)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/batch-size/cross_attention.json"))
@@ -166,12 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128, 192])
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a model folder: the rows' lengths from its test sentences (with --data-dir)")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"))
+    parser.add_argument("--batches", type=int, default=4, help="with --model: runs of consecutive sentences")
     args = parser.parse_args(argv)
+    runs: list[tuple[int, np.ndarray | None]]
+    if args.model is None:
+        runs = [(width, None) for width in args.widths]
+    else:
+        runs = [(-(-int(lengths.max()) // 32) * 32, lengths)
+                for lengths in _test_lengths(args.model, args.data_dir, args.rows, args.batches)]
     results = {
         "command": "python -m bench.cross_attention " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine.describe(), "rows": args.rows, "heads": args.heads, "head_dim": args.head_dim,
-        "widths": [measure(args.rows, args.heads, args.head_dim, width, max(args.calls, 10))
-                   for width in args.widths],
+        "widths": [measure(args.rows, args.heads, args.head_dim, width, max(args.calls, 10), lengths)
+                   for width, lengths in runs],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
