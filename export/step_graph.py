@@ -11,20 +11,32 @@ positions[b]. Self-attention is onnxruntime's `com.microsoft.GroupQueryAttention
 key/value heads as query heads: plain multi-head attention), which reads each row's own length
 from `seqlens_k` and, when `present_*` is bound to the same buffer as `past_*` (IO binding),
 writes the new column in place: no copy of the cache, no padding to the oldest row.
+Cross-attention is the same kernel over each row's own source (`own_length_cross_attention`):
+the cross keys/values are its past, `seqlens_k` the row's source length - 1 (from
+`source_mask`, whose valid columns are a prefix), and the row's last source position its "new"
+key/value, written where it already is; so a row reads its own source and none of the batch's
+padding, which the masked products read in full (`bench.cross_attention`). The cross
+keys/values are therefore outputs too, bound to their input buffers (`present_cross_*`).
 
     inputs   input_ids, positions (batch, 1) int64 (a row's position = its cached length);
              source_mask (batch, source_len) bool; past_key.{i}, past_value.{i}
              (batch, heads, capacity, head_dim); cross_key.{i}, cross_value.{i}
-    outputs  logits (batch, vocab); present_key.{i}, present_value.{i} (the buffers, updated)
+    outputs  logits (batch, vocab); present_key.{i}, present_value.{i} (the buffers, updated);
+             present_cross_key.{i}, present_cross_value.{i} (the cross buffers, unchanged)
 
-The PyTorch side is a custom operator (`attnserve::cached_self_attention`) whose reference
-implementation computes the same thing, so the wrapper traces like the other graphs and the
-exporter translates that one operator to the onnxruntime kernel. It runs on onnxruntime only
+Graphs exported before the cross presents existed have the masked products instead and are
+run as before (`service.runtime.step_buffers.run_step` binds what the graph has).
+
+The PyTorch side is two custom operators (`attnserve::cached_self_attention`,
+`attnserve::own_length_cross_attention`) whose reference implementations compute the same thing, so the wrapper traces like the other graphs and the
+exporter translates those operators to the onnxruntime kernel. It runs on onnxruntime only
 (the kernel is a contrib operator); no attention weights come out of it (maps use the merged
 decoder).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import onnx
 import torch
@@ -88,7 +100,54 @@ def _cached_self_attention_onnx(query, key, value, past_key, past_value, lengths
                                   num_heads=n_heads, kv_num_heads=n_heads, _num_outputs=3)
 
 
-TRANSLATIONS = {torch.ops.attnserve.cached_self_attention.default: _cached_self_attention_onnx}
+@torch.library.custom_op("attnserve::own_length_cross_attention", mutates_args=())
+def own_length_cross_attention(query: Tensor, cross_key: Tensor, cross_value: Tensor, lengths: Tensor,
+                               n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """query (B, 1, D) of each row's new position; cross keys/values (B, h, S, d) with row b's
+    source in columns 0..lengths[b]-1. Returns the output (B, 1, D) and the cross keys/values
+    unchanged (the graph's in-place outputs)."""
+    batch, _, width = query.shape
+    head_dim = width // n_heads
+    own = torch.arange(cross_key.size(2), device=query.device)[None, :] < lengths[:, None]  # (B, S)
+    heads = query.view(batch, 1, n_heads, head_dim).transpose(1, 2)  # (B, h, 1, d)
+    context, _ = scaled_dot_product_attention(heads, cross_key, cross_value, own[:, None, None, :])
+    return context.transpose(1, 2).reshape(batch, 1, width), cross_key.clone(), cross_value.clone()
+
+
+@own_length_cross_attention.register_fake
+def _own_length_cross_attention_shapes(query: Tensor, cross_key: Tensor, cross_value: Tensor, lengths: Tensor,
+                                       n_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(query), torch.empty_like(cross_key), torch.empty_like(cross_value)
+
+
+def _ints(*values: int) -> Any:
+    """An int64 constant tensor of `values` (typed loosely: onnxscript's constant type is a union)."""
+    return op.Constant(value_ints=list(values))
+
+
+def _own_length_cross_attention_onnx(query, cross_key, cross_value, lengths, n_heads: int):  # type: ignore[no-untyped-def]
+    """The operator as onnxruntime's GroupQueryAttention over each row's own source: the cross
+    keys/values are the past, `seqlens_k` each row's length - 1, and the "new" key/value the
+    row's own last source position, which the kernel writes where it already is (present bound
+    to the past's buffer): it attends over exactly columns 0..lengths[b]-1 and reads no padding."""
+    last = op.Sub(lengths, op.Constant(value_int=1))  # (B,)
+    shape: Any = op.Shape(cross_key)  # (B, h, S, d)
+    one_column = op.Concat(op.Slice(shape, _ints(0), _ints(2)), _ints(1), op.Slice(shape, _ints(3), _ints(4)),
+                           axis=0)
+    index = op.Expand(op.Reshape(last, _ints(-1, 1, 1, 1)), one_column)  # (B, h, 1, d)
+
+    def last_column(cache):  # type: ignore[no-untyped-def]
+        column = op.GatherElements(cache, index, axis=2)  # (B, h, 1, d)
+        return op.Reshape(op.Transpose(column, perm=[0, 2, 1, 3]), _ints(0, 1, -1))  # (B, 1, D)
+
+    seqlens = op.Cast(last, to=onnx.TensorProto.INT32)
+    total = op.Cast(op.Squeeze(op.Slice(shape, _ints(2), _ints(3))), to=onnx.TensorProto.INT32)
+    return _GROUP_QUERY_ATTENTION(query, last_column(cross_key), last_column(cross_value), cross_key, cross_value,
+                                  seqlens, total, num_heads=n_heads, kv_num_heads=n_heads, _num_outputs=3)
+
+
+TRANSLATIONS = {torch.ops.attnserve.cached_self_attention.default: _cached_self_attention_onnx,
+                torch.ops.attnserve.own_length_cross_attention.default: _own_length_cross_attention_onnx}
 
 
 class StepGraph(nn.Module):
@@ -109,8 +168,9 @@ class StepGraph(nn.Module):
         model = self.model
         x = model.target_embedding(input_ids, positions)  # (B, 1, D)
         lengths = positions[:, 0]  # (B,)
-        cross_mask = source_mask[:, None, None, :]  # (B, 1, 1, S)
+        source_lengths = source_mask.sum(dim=1)  # (B,): a row's source is a prefix of its columns
         presents: list[Tensor] = []
+        cross_presents: list[Tensor] = []
         for i, layer in enumerate(model.decoder_layers):
             assert isinstance(layer, DecoderLayer)
             attention = layer.self_attention
@@ -119,10 +179,16 @@ class StepGraph(nn.Module):
                 attention.query(h), attention.key(h), attention.value(h), past[2 * i], past[2 * i + 1],
                 lengths, attention.n_heads)
             x = layer.self_sublayer.output(x, attention.output(context))
-            x, _ = layer.attend_source_and_feed_forward(x, cross[2 * i], cross[2 * i + 1], cross_mask, True)
+            source = layer.cross_attention
+            h = layer.cross_sublayer.input(x)
+            context, cross_key, cross_value = torch.ops.attnserve.own_length_cross_attention(
+                source.query(h), cross[2 * i], cross[2 * i + 1], source_lengths, source.n_heads)
+            x = layer.cross_sublayer.output(x, source.output(context))
+            x = layer.feed_forward_sublayer.output(x, layer.feed_forward(layer.feed_forward_sublayer.input(x)))
             presents += [key, value]
+            cross_presents += [cross_key, cross_value]
         logits = model.output_projection(model.decoder_norm(x))[:, 0]  # (B, V)
-        return (logits, *presents)
+        return (logits, *presents, *cross_presents)
 
 
 def example_step_inputs(model: Transformer) -> tuple[Tensor | tuple[Tensor, ...], ...]:

@@ -68,8 +68,14 @@ def step_inputs(n_decoder_layers: int) -> list[str]:
     return ["input_ids", "positions", "source_mask"] + past_names(n_decoder_layers) + cross_names(n_decoder_layers)
 
 
+def cross_present_names(n_decoder_layers: int) -> list[str]:
+    """The step graph's cross keys/values as outputs: its cross-attention writes into their
+    buffers (unchanged values), so they are bound to the same memory as `cross_names`."""
+    return [f"present_{name}" for name in cross_names(n_decoder_layers)]
+
+
 def step_outputs(n_decoder_layers: int) -> list[str]:
-    return ["logits"] + present_names(n_decoder_layers)
+    return ["logits"] + present_names(n_decoder_layers) + cross_present_names(n_decoder_layers)
 
 
 def decoder_attention_outputs(n_decoder_layers: int) -> list[str]:
@@ -103,6 +109,8 @@ _STEP_AXES = {
     "past_value": [BATCH, "heads", CAPACITY, "head_dim"],
     "present_key": [BATCH, "heads", CAPACITY, "head_dim"],
     "present_value": [BATCH, "heads", CAPACITY, "head_dim"],
+    "present_cross_key": [BATCH, "heads", SOURCE_LEN, "head_dim"],
+    "present_cross_value": [BATCH, "heads", SOURCE_LEN, "head_dim"],
     "logits": [BATCH, "vocab"],
 }
 _DTYPES = {"input_ids": "int64", "positions": "int64", "source_mask": "bool", "target_mask": "bool"}

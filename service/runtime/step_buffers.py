@@ -64,7 +64,9 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
     cached length, < capacity), (B, S) source mask, cross keys/values (cross_key.0,
     cross_value.0, ...: (B, h, S, d)). Writes each row's new key/value into `buffers` at column
     positions[b]; returns the (B, vocab) logits. With `vocab` (V',) ids, for the shortlist step
-    graph (`service.runtime.shortlist`): the (B, V') logits of those ids."""
+    graph (`service.runtime.shortlist`): the (B, V') logits of those ids. A graph whose
+    cross-attention reads each row's own source has the cross keys/values as outputs too
+    (`present_cross_*`): they are bound to the same memory as the inputs."""
     layers = len(buffers.arrays) // 2
     binding = session.io_binding()
     if vocab is not None:
@@ -72,9 +74,15 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
     binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
     binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
     binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
-    for name, array in zip(graph_io.cross_names(layers), cross, strict=True):
-        binding.bind_cpu_input(name, np.ascontiguousarray(array))
     binding.bind_output("logits", "cpu")
+    in_place = graph_io.cross_present_names(layers)[0] in {o.name for o in session.get_outputs()}
+    for name, array in zip(graph_io.cross_names(layers), cross, strict=True):
+        if in_place:  # a graph whose cross-attention writes into the cross keys/values' buffers
+            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))  # shares the memory
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(f"present_{name}", value)
+        else:
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
     for past, present, value in zip(graph_io.past_names(layers), graph_io.present_names(layers),
                                     buffers.ortvalues(len(input_ids)), strict=True):
         binding.bind_ortvalue_input(past, value)

@@ -41,7 +41,8 @@ def test_the_fp16_variant_has_a_step_graph_with_float16_caches(tiny_fp16_reposit
     session = ort.InferenceSession(str(tiny_fp16_repository / STEP_FP16), providers=[CPU])
     types = _types(session)
     caches = {n: t for n, t in types.items() if n.startswith(("past_", "present_", "cross_"))}
-    assert len(caches) == 6 * manifest.config.n_decoder_layers
+    # past, present, cross and present cross keys and values of each layer
+    assert len(caches) == 8 * manifest.config.n_decoder_layers
     assert set(caches.values()) == {"tensor(float16)"}
     assert (types["logits"], types["input_ids"], types["source_mask"]) == ("tensor(float)", "tensor(int64)",
                                                                           "tensor(bool)")

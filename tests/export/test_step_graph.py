@@ -109,3 +109,30 @@ def test_the_step_writes_into_the_bound_buffers(tiny_step) -> None:
             # every other column of the row is untouched
             untouched = np.delete(buffers.arrays[2 * i][row], length, axis=1)
             np.testing.assert_array_equal(untouched, np.delete(before[2 * i][row], length, axis=1))
+
+
+def test_cross_attention_reads_each_rows_own_source_in_place(tiny_step) -> None:
+    """Cross-attention is onnxruntime's GroupQueryAttention over each row's own source length
+    (as self-attention is over its own cache): two per layer, and the cross keys/values come
+    back as outputs bound to their input buffers, unchanged; a row's logits do not depend on
+    what its padding columns hold."""
+    model, session = tiny_step
+    config = model.config
+    kinds = [node.op_type for node in export_step_graph(model).graph.node]
+    assert kinds.count("GroupQueryAttention") == 2 * config.n_decoder_layers
+    sources = pad_batch(SOURCES, config.pad_id)
+    with torch.no_grad():
+        start = model.start_decoding(model.encode(sources, need_weights=False))
+    cross = [t.numpy().copy() for layer in start.layers for t in (layer.cross_key, layer.cross_value)]
+    mask = start.source_mask.numpy()
+    ids, positions = np.array([[config.bos_id]] * len(SOURCES)), np.zeros((len(SOURCES), 1), dtype=np.int64)
+    buffers = CacheBuffers(config.n_decoder_layers, len(SOURCES), config.n_heads, 4, config.head_dim)
+    before = [array.copy() for array in cross]
+    logits = run_step(session, ids, positions, mask, cross, buffers)
+    for array, kept in zip(cross, before, strict=True):
+        np.testing.assert_array_equal(array, kept)
+    noisy = [array.copy() for array in cross]
+    for array in noisy:  # garbage in every padding column
+        array[~mask[:, None, :, None].repeat(array.shape[1], 1).repeat(array.shape[3], 3)] = 1e4
+    buffers = CacheBuffers(config.n_decoder_layers, len(SOURCES), config.n_heads, 4, config.head_dim)
+    np.testing.assert_allclose(run_step(session, ids, positions, mask, noisy, buffers), logits, atol=1e-5)
