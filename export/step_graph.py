@@ -28,8 +28,9 @@ Graphs exported before the cross presents existed have the masked products inste
 run as before (`service.runtime.step_buffers.run_step` binds what the graph has).
 
 The PyTorch side is two custom operators (`attnserve::cached_self_attention`,
-`attnserve::own_length_cross_attention`) whose reference implementations compute the same thing, so the wrapper traces like the other graphs and the
-exporter translates those operators to the onnxruntime kernel. It runs on onnxruntime only
+`attnserve::own_length_cross_attention`) whose reference implementations compute the same
+thing, so the wrapper traces like the other graphs and the exporter translates those operators
+to the onnxruntime kernel. It runs on onnxruntime only
 (the kernel is a contrib operator); no attention weights come out of it (maps use the merged
 decoder).
 """

@@ -119,7 +119,7 @@ class AdmissionQueue:
         self._on_change = on_change  # called whenever the number of queued rows changes
         self.drain = DrainRate()  # the batcher records the rows it finishes (`finished`)
         self.share = AdmissionShare()
-        metrics.ADMISSION_SHARE.labels(model).set(self.share.value)
+        self._publish_share()
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -173,7 +173,7 @@ class AdmissionQueue:
                 for row in rows if row.deadline is not None
                 and (id(row) not in gone or now > row.deadline)]
         self.share.observe(used, now)
-        metrics.ADMISSION_SHARE.labels(self.model).set(self.share.value)
+        self._publish_share()
 
     def expected_s(self, rows: int, in_flight: int, now: float, reserved: int = 0) -> float | None:
         """Seconds until `rows` more rows would be done behind the queue and the `in_flight`
@@ -203,7 +203,10 @@ class AdmissionQueue:
             row.future.set_exception(DeadlineExceeded("the deadline passed while the request was queued"))
         if expired:
             self.share.observe([float("inf")], now)
-            metrics.ADMISSION_SHARE.labels(self.model).set(self.share.value)
+            self._publish_share()
+
+    def _publish_share(self) -> None:
+        metrics.ADMISSION_SHARE.labels(self.model).set(self.share.value)
 
     def drop_done_head(self) -> None:
         """Remove the resolved rows at the head, so `head` is a row still waiting."""

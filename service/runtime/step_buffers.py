@@ -10,6 +10,7 @@ in host memory (`device_slots.DeviceSlots` keeps them on a device). Torch-free.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,6 +58,18 @@ class CacheBuffers:
             array[targets, :, :columns] = array[sources, :, :columns]
 
 
+# per step graph session: whether its cross keys/values are in-place outputs (read once, not per step)
+_CROSS_IN_PLACE: weakref.WeakKeyDictionary[ort.InferenceSession, bool] = weakref.WeakKeyDictionary()
+
+
+def _cross_in_place(session: ort.InferenceSession, layers: int) -> bool:
+    known = _CROSS_IN_PLACE.get(session)
+    if known is None:
+        outputs = {o.name for o in session.get_outputs()}
+        known = _CROSS_IN_PLACE[session] = graph_io.cross_present_names(layers)[0] in outputs
+    return known
+
+
 def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
              source_mask: np.ndarray, cross: list[np.ndarray], buffers: CacheBuffers,
              vocab: np.ndarray | None = None) -> np.ndarray:
@@ -75,7 +88,7 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
     binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
     binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
     binding.bind_output("logits", "cpu")
-    in_place = graph_io.cross_present_names(layers)[0] in {o.name for o in session.get_outputs()}
+    in_place = _cross_in_place(session, layers)
     for name, array in zip(graph_io.cross_names(layers), cross, strict=True):
         if in_place:  # a graph whose cross-attention writes into the cross keys/values' buffers
             value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))  # shares the memory
