@@ -46,7 +46,7 @@ from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 from torch import Tensor, nn
 
-from model.multi_head_attention import scaled_dot_product_attention
+from model.multi_head_attention import MultiHeadAttention, scaled_dot_product_attention
 from model.transformer import DecoderLayer, Transformer
 from service.repository import graph_io
 
@@ -169,7 +169,9 @@ class StepGraph(nn.Module):
         model = self.model
         x = model.target_embedding(input_ids, positions)  # (B, 1, D)
         lengths = positions[:, 0]  # (B,)
-        source_lengths = source_mask.sum(dim=1)  # (B,): a row's source is a prefix of its columns
+        # (B,): a row's source is a prefix of its columns; at least one (a row without a source, which
+        # the service never steps, reads column 0 instead of an undefined position)
+        source_lengths = source_mask.sum(dim=1).clamp(min=1)
         presents: list[Tensor] = []
         cross_presents: list[Tensor] = []
         for i, layer in enumerate(model.decoder_layers):
@@ -181,13 +183,15 @@ class StepGraph(nn.Module):
                 lengths, attention.n_heads)
             x = layer.self_sublayer.output(x, attention.output(context))
             source = layer.cross_attention
-            h = layer.cross_sublayer.input(x)
-            context, cross_key, cross_value = torch.ops.attnserve.own_length_cross_attention(
-                source.query(h), cross[2 * i], cross[2 * i + 1], source_lengths, source.n_heads)
-            x = layer.cross_sublayer.output(x, source.output(context))
-            x = layer.feed_forward_sublayer.output(x, layer.feed_forward(layer.feed_forward_sublayer.input(x)))
+
+            def attend_own_source(h: Tensor, i: int = i, source: MultiHeadAttention = source) -> tuple[Tensor, None]:
+                context, cross_key, cross_value = torch.ops.attnserve.own_length_cross_attention(
+                    source.query(h), cross[2 * i], cross[2 * i + 1], source_lengths, source.n_heads)
+                cross_presents.extend((cross_key, cross_value))
+                return source.output(context), None
+
+            x, _ = layer.around_source_attention(x, attend_own_source)
             presents += [key, value]
-            cross_presents += [cross_key, cross_value]
         logits = model.output_projection(model.decoder_norm(x))[:, 0]  # (B, V)
         return (logits, *presents, *cross_presents)
 

@@ -166,8 +166,16 @@ class DecoderLayer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """After self-attention: cross-attention over the encoder output (keys/values (B, h, S, d),
         cached once), then feed-forward. x (B, T, D) -> (B, T, D), weights (B, h, T, S) or None."""
-        h = self.cross_sublayer.input(x)
-        attended, cross_weights = self.cross_attention(h, cross_key, cross_value, cross_mask, need_weights)
+        return self.around_source_attention(
+            x, lambda h: self.cross_attention(h, cross_key, cross_value, cross_mask, need_weights))
+
+    def around_source_attention(
+        self, x: Tensor, attend: Callable[[Tensor], tuple[Tensor, Tensor | None]]
+    ) -> tuple[Tensor, Tensor | None]:
+        """The cross sublayer and feed-forward around `attend`, which maps the normalized input
+        (B, T, D) to the attended, output-projected (B, T, D) and its weights (or None): the one
+        place the decoder layer's residual and norm order after self-attention is written."""
+        attended, cross_weights = attend(self.cross_sublayer.input(x))
         x = self.cross_sublayer.output(x, attended)
         x = self.feed_forward_sublayer.output(x, self.feed_forward(self.feed_forward_sublayer.input(x)))
         return x, cross_weights

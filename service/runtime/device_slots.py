@@ -48,6 +48,7 @@ import onnxruntime as ort
 from service.repository import graph_io
 from service.runtime import onnx_proto
 from service.runtime.providers import CPU, CUDA
+from service.runtime.step_buffers import cross_in_place
 from service.runtime.tensors import Tensor, shape
 
 _ELEMENT_TYPES = {"tensor(float)": onnx_proto.FLOAT, "tensor(float16)": onnx_proto.FLOAT16,
@@ -282,15 +283,20 @@ class DeviceSlots:
              source_mask: np.ndarray) -> np.ndarray:
         """One step of the first B slots (`step_buffers.run_step`'s inputs, B = len(input_ids)):
         past and present bound to the same (B, h, capacity, d) views of the cache buffers,
-        cross keys/values to (B, h, width, d) views; returns the (B, vocab) logits (float32)."""
+        cross keys/values to (B, h, width, d) views (and the graph's `present_cross_*` outputs, when
+        it has them, to the same views); returns the (B, vocab) logits (float32)."""
         count = len(input_ids)
         binding = session.io_binding()
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
         binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
+        binding.bind_output("logits", "cpu")  # first: read back as the first output
+        in_place = cross_in_place(session, self.layers)
         for name, value in zip(graph_io.cross_names(self.layers), self.cross, strict=True):
-            self.graphs.bind_view(binding, name, value, [count, *value.shape()[1:]])
-        binding.bind_output("logits", "cpu")
+            view = [count, *value.shape()[1:]]
+            self.graphs.bind_view(binding, name, value, view)
+            if in_place:  # cross-attention over each row's own source: its outputs are its inputs' memory
+                self.graphs.bind_view(binding, f"present_{name}", value, view, output=True)
         for past, present, value in zip(graph_io.past_names(self.layers), graph_io.present_names(self.layers),
                                         self.cache, strict=True):
             view = [count, *value.shape()[1:]]

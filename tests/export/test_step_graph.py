@@ -136,3 +136,24 @@ def test_cross_attention_reads_each_rows_own_source_in_place(tiny_step) -> None:
         array[~mask[:, None, :, None].repeat(array.shape[1], 1).repeat(array.shape[3], 3)] = 1e4
     buffers = CacheBuffers(config.n_decoder_layers, len(SOURCES), config.n_heads, 4, config.head_dim)
     np.testing.assert_allclose(run_step(session, ids, positions, mask, noisy, buffers), logits, atol=1e-5)
+
+
+def test_a_row_without_a_source_reads_its_first_column(tiny_step) -> None:
+    """A row whose source mask is all False (never stepped by the service) attends to column 0,
+    as a row with a one-column source does, instead of reading an undefined position."""
+    model, session = tiny_step
+    config = model.config
+    sources = pad_batch(SOURCES, config.pad_id)
+    with torch.no_grad():
+        start = model.start_decoding(model.encode(sources, need_weights=False))
+    cross = [t.numpy().copy() for layer in start.layers for t in (layer.cross_key, layer.cross_value)]
+    ids, positions = np.array([[config.bos_id]] * len(SOURCES)), np.zeros((len(SOURCES), 1), dtype=np.int64)
+    empty, first = start.source_mask.numpy().copy(), start.source_mask.numpy().copy()
+    empty[0], first[0] = False, False
+    first[0, 0] = True
+    logits = {}
+    for name, mask in (("empty", empty), ("first", first)):
+        buffers = CacheBuffers(config.n_decoder_layers, len(SOURCES), config.n_heads, 4, config.head_dim)
+        logits[name] = run_step(session, ids, positions, mask, [a.copy() for a in cross], buffers)
+    assert np.isfinite(logits["empty"]).all()
+    np.testing.assert_allclose(logits["empty"], logits["first"], atol=1e-5)

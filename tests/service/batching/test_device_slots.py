@@ -14,6 +14,7 @@ import pytest
 
 from service.batching.slot_batch import SlotBatch, slots_on_device
 from service.generation.search import GenerationResult, generate
+from service.repository import graph_io
 from service.repository.manifest import read_manifest
 from service.runtime import CPU, ModelRuntime, onnx_proto
 from service.runtime.device_slots import (
@@ -111,6 +112,35 @@ def test_a_join_writes_into_the_device_buffers_in_place(bound: ModelRuntime, sou
         results.update(batch.generate_token())
     for owner, source in enumerate([longest, *sources[:3]]):
         assert results[owner].tokens == generate(bound, [source], 1, 12)[0].tokens
+
+
+def test_a_step_binds_the_cross_outputs_to_the_cross_buffers(bound: ModelRuntime, sources, monkeypatch) -> None:
+    """The step graph's cross-attention reads each row's own source with the cross keys/values as
+    its in-place past: a step binds its `present_cross_*` outputs to the slots' cross buffers,
+    so onnxruntime allocates no copy of them."""
+    assert bound.step is not None
+    layers = bound.manifest.config.n_decoder_layers
+    assert set(graph_io.cross_present_names(layers)) <= {o.name for o in bound.step.get_outputs()}
+    batch: SlotBatch[int] = SlotBatch(bound, rows=4, on_device=True)
+    batch.concatenate(sources[:3], [0, 1, 2], [12, 12, 12])
+    bound_outputs: dict[str, int] = {}
+    graphs = type(slot_graphs(CPU, "cpu", 0))
+    original = graphs.bind_view
+
+    def spy(self, binding, name, value, shape, row=0, output=False) -> None:
+        if output:
+            bound_outputs[name] = value.data_ptr()
+        original(self, binding, name, value, shape, row, output)
+
+    monkeypatch.setattr(graphs, "bind_view", spy)
+    batch.generate_token()
+    slots = batch._slots
+    assert isinstance(slots, DeviceSlots)
+    before = [v.numpy().copy() for v in slots.cross]
+    assert {n: a for n, a in bound_outputs.items() if n.startswith("present_cross_")} == {
+        name: value.data_ptr() for name, value in zip(graph_io.cross_present_names(layers), slots.cross, strict=True)}
+    batch.generate_token()
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, slots.cross, strict=True))  # written unchanged
 
 
 def test_the_device_is_chosen_where_the_runtime_keeps_tensors_off_the_cpu(tiny_runtime: ModelRuntime,
