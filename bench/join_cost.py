@@ -18,6 +18,10 @@ gives the step graph's and the encoder's time per operator type (`profile` in th
 With `--ctranslate2`, CTranslate2 int8 greedy `translate_batch` on the same weights and sources,
 one replica on one thread in batches of `--rows`, runs in the same turns: the two engines at
 the same threads and batch size, without a server around either.
+
+With `--against DIR`, the step graph of another repository of the same model (an earlier export,
+e.g. from a worktree of an earlier commit) replays the same sources in the same turns: two
+exports of one model compared on the same machine state.
 """
 
 from __future__ import annotations
@@ -52,8 +56,9 @@ def _slots(runtime: Any) -> Any:
 
 # mode -> a running batch over the runtime; the service's batch is the step graph's when the
 # model has one (`service.core.registry.onnx_running_batch`), else the second
+STEP_MODE = "step graph, each row in its own slot"
 MODES: dict[str, Callable[[Any], Any]] = {
-    "step graph, each row in its own slot": _slots,
+    STEP_MODE: _slots,
     "merged decoder, dead slots filled in place": _merged(4, False),
     "merged decoder, every join copies the batch": _merged(-1, False),
     "merged decoder, dead slots filled in place, greedy scores (a log-softmax per step)": _merged(4, True),
@@ -150,10 +155,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="also profile one replay of the step graph per operator type")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="also time CTranslate2 int8 on one thread in batches of --rows (needs ctranslate2)")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another repository of the model whose step graph replays in the same turns")
     args = parser.parse_args(argv)
     from model.tokenizer import Tokenizer
-    from service.repository.manifest import read_manifest
-    from service.runtime import ModelRuntime
+    from service.repository.manifest import ManifestError, read_manifest
+    from service.runtime import ModelLoadError, ModelRuntime
 
     manifest = read_manifest(args.model)
     tokenizer = Tokenizer.from_file(args.model / "tokenizer.model")
@@ -162,6 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     lines = (args.data_dir / manifest.name / "test.src").read_text(encoding="utf-8").splitlines()
     sources = [tokenizer.encode(line)[: runtime.max_source_len - 1] + [runtime.eos_id]
                for line in lines[: args.sentences]]
+    against = None
+    if args.against is not None:
+        try:
+            against = (ModelRuntime.load(args.against, providers=["CPUExecutionProvider"], threads=1,
+                                         spinning=False, memory_arena=False)
+                       if read_manifest(args.against).name == manifest.name else None)
+        except (ManifestError, ModelLoadError):
+            pass
+        if against is None or against.step is None:
+            parser.error(f"--against {args.against}: not a repository of {manifest.name} with a step graph")
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
     with tempfile.TemporaryDirectory(prefix="join-cost-") as scratch:
         reference = (_ctranslate2(args.model, tokenizer, sources, args.rows, manifest.max_target_len,
@@ -174,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                 if make_batch is _slots and runtime.step is None:
                     continue
                 runs[mode].append(replay(runtime, sources, args.rows, args.group, make_batch))
+            if against is not None:
+                runs.setdefault(f"{STEP_MODE} ({args.against})", []).append(
+                    replay(against, sources, args.rows, args.group, _slots))
     runs = {mode: mode_runs for mode, mode_runs in runs.items() if mode_runs}
     results = {
         "command": "python -m bench.join_cost " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.join_cost import CTRANSLATE2, main
+from bench.join_cost import CTRANSLATE2, STEP_MODE, main
 
 
 def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -47,3 +47,24 @@ def test_join_cost_times_chosen_modes_beside_ctranslate2_and_profiles_the_step_g
     assert step_graph["step_ms"] > 0 and "GroupQueryAttention" in step_graph["ops"]
     assert sum(op["share"] for op in step_graph["ops"].values()) == pytest.approx(1.0, abs=0.01)
     assert results["profile"]["encoder"]["step_ms"] > 0
+
+
+def test_join_cost_replays_another_export_of_the_model_in_the_same_turns(tiny_bench_dirs: tuple[Path, Path],
+                                                                           tmp_path: Path) -> None:
+    import shutil
+
+    models, data = tiny_bench_dirs
+    other = tmp_path / "earlier" / "tiny-reverse"
+    shutil.copytree(models / "tiny-reverse", other)
+    out = tmp_path / "join_cost.json"
+    assert main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data), "--out", str(out),
+                 "--sentences", "20", "--rows", "8", "--repeats", "2", "--modes", STEP_MODE,
+                 "--against", str(other)]) == 0
+    modes = json.loads(out.read_text(encoding="utf-8"))["modes"]
+    assert set(modes) == {STEP_MODE, f"{STEP_MODE} ({other})"}
+    ours, theirs = modes[STEP_MODE], modes[f"{STEP_MODE} ({other})"]
+    assert len(theirs["runs"]) == 2
+    assert theirs["median"]["steps"] == ours["median"]["steps"] > 0  # the same graph: the same tokens
+    with pytest.raises(SystemExit):  # not a repository of the model
+        main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data), "--out", str(out),
+              "--sentences", "4", "--against", str(tmp_path)])
