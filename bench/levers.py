@@ -14,8 +14,9 @@ With `--rate R`, each run is an open loop instead: Poisson arrivals at R request
 `--duration-s` seconds (the latency columns then count from each request's scheduled arrival).
 
 With `--baseline DIR`, one more variant runs the defaults from the code of another checkout
-(e.g. `git worktree add DIR <commit>`; run in DIR, its packages first on the path) in the same turns:
-a change to the code measured against the commit before it.
+(e.g. `git worktree add DIR <commit>`; run in DIR, its packages first on the path, serving its
+own models when `--models` is a relative path) in the same turns: a change to the code or the
+models measured against the commit before it.
 
 Each run records the server's CPU seconds and, of them, its event loop's (the main thread's:
 HTTP, validation, tokenization, responses) per request; the rest is the batch workers'.
@@ -96,9 +97,12 @@ def _cpu_seconds(pid: int) -> float:
 def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, flags: list[str],
             log_path: Path, rate: float | None = None, duration_s: float = 30.0,
             checkout: Path | None = None) -> dict[str, Any]:
-    """One server with `flags` (from the code of `checkout`, if given): warm-up, then the closed
-    loop over `texts` (or, with `rate`, an open loop for `duration_s`)."""
+    """One server with `flags` (from the code of `checkout`, if given, serving the checkout's own
+    `models_dir` when that path is relative): warm-up, then the closed loop over `texts` (or,
+    with `rate`, an open loop for `duration_s`)."""
     port = free_port()
+    if checkout is not None and not models_dir.is_absolute():
+        models_dir = checkout / models_dir
     command = service_command(models_dir.resolve(), port) + flags
     env = {"ATTNSERVE_MAX_TEXT_CHARS": "100000"}
     if checkout is not None:  # run there: `python -m` puts the working directory first
