@@ -133,13 +133,17 @@ def _own_length_cross_attention_onnx(query, cross_key, cross_value, lengths, n_h
     to the past's buffer): it attends over exactly columns 0..lengths[b]-1 and reads no padding."""
     last = op.Sub(lengths, op.Constant(value_int=1))  # (B,)
     shape: Any = op.Shape(cross_key)  # (B, h, S, d)
-    one_column = op.Concat(op.Slice(shape, _ints(0), _ints(2)), _ints(1), op.Slice(shape, _ints(3), _ints(4)),
-                           axis=0)
-    index = op.Expand(op.Reshape(last, _ints(-1, 1, 1, 1)), one_column)  # (B, h, 1, d)
+    rows_heads = op.Slice(shape, _ints(0), _ints(2))  # [B, h]
+    width = op.Slice(shape, _ints(2), _ints(3))  # [S]
+    # row b's head k, column last[b] of the cache seen as (B*h*S, d): (b*h + k)*S + last[b]
+    starts = op.Mul(op.Range(op.Constant(value_int=0), op.ReduceProd(rows_heads, keepdims=0),
+                             op.Constant(value_int=1)), width)  # (B*h,)
+    index = op.Add(starts, op.Reshape(op.Expand(op.Reshape(last, _ints(-1, 1)), rows_heads), _ints(-1)))
+    flat = op.Concat(_ints(-1), op.Slice(shape, _ints(3), _ints(4)), axis=0)  # [-1, d]
 
     def last_column(cache):  # type: ignore[no-untyped-def]
-        column = op.GatherElements(cache, index, axis=2)  # (B, h, 1, d)
-        return op.Reshape(op.Transpose(column, perm=[0, 2, 1, 3]), _ints(0, 1, -1))  # (B, 1, D)
+        column = op.Gather(op.Reshape(cache, flat), index, axis=0)  # (B*h, d): b-major, then heads
+        return op.Reshape(column, op.Shape(query))  # (B, 1, D)
 
     seqlens = op.Cast(last, to=onnx.TensorProto.INT32)
     total = op.Cast(op.Squeeze(op.Slice(shape, _ints(2), _ints(3))), to=onnx.TensorProto.INT32)

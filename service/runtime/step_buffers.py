@@ -151,11 +151,15 @@ class HostSlots:
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> HostSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
         the first `kept_rows` slots of these: their first `kept_columns` cache columns and their
-        cross keys/values up to the narrower width (one copy)."""
+        cross keys/values up to the narrower width (one copy). A buffer whose shape does not
+        change is kept as it is (not copied)."""
         new = HostSlots.__new__(HostSlots)
         new.buffers = self.buffers
         if (rows, capacity) != (self.rows, self.capacity):
             new.buffers = self.buffers.resized(rows, capacity, kept_rows, kept_columns)
+        new.cross = self.cross
+        if (rows, width) == (self.rows, self.width):
+            return new
         kept = min(width, self.width)
         new.cross = []
         for old in self.cross:

@@ -211,6 +211,19 @@ def test_a_resize_that_keeps_a_shape_keeps_its_buffers() -> None:
     wider = device.resized(4, 6, 5, 4, 6)
     assert wider.cache is device.cache and wider.cross is not device.cross
     assert (wider.rows, wider.capacity, wider.width) == (4, 6, 5)
+    longer = wider.resized(4, 8, 5, 4, 6)
+    assert longer.cross is wider.cross and longer.cache is not wider.cache
+
+
+def test_a_host_resize_that_keeps_a_shape_keeps_its_buffers() -> None:
+    host = HostSlots(LAYERS, 4, HEADS, 6, HEAD_DIM, width=3)
+    host.cross[0][:] = 1.0
+    wider = host.resized(4, 6, 5, 4, 6)
+    assert wider.buffers is host.buffers and wider.cross[0] is not host.cross[0]
+    assert (wider.rows, wider.capacity, wider.width) == (4, 6, 5) and wider.cross[0][:, :, :3].all()
+    longer = wider.resized(4, 8, 5, 4, 6)  # more cache columns only: the cross keys/values stay where they are
+    assert longer.cross is wider.cross and longer.buffers is not wider.buffers
+    assert (longer.rows, longer.capacity, longer.width) == (4, 8, 5)
 
 
 def test_the_slot_graphs_are_valid_onnx() -> None:
