@@ -23,7 +23,8 @@ HTTP, validation, tokenization, responses) per request; the rest is the batch wo
 
 With `--ctranslate2`, CTranslate2 int8 `translate_batch` on the same weights and sentences
 (in-process, no HTTP: the reference of the throughput target) runs in the same turns, and
-the table gives each variant's throughput as a ratio of it.
+the table gives each variant's throughput as a ratio of it; `--ctranslate2-setting` picks its
+replicas, threads and batches (e.g. the best point of `attnserve bench`'s grid).
 """
 
 from __future__ import annotations
@@ -133,9 +134,11 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
             "peak_rss_mb": round(peak, 1), "batching": batching}
 
 
-def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload,
-                          out_dir: Path) -> Callable[[], dict[str, Any]]:
-    """A function that times one CTranslate2 int8 greedy `translate_batch` over the workload."""
+def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload, out_dir: Path,
+                          setting: tuple[int, int, int, str] | None = None) -> Callable[[], dict[str, Any]]:
+    """A function that times one CTranslate2 int8 greedy `translate_batch` over the workload,
+    at `setting` (replicas, intra threads (0: its default), batch size, batch type "examples" or
+    "tokens"; by default one replica, default threads, 64 examples)."""
     from bench import ctranslate2_converter, ctranslate2_runs
     from model.tokenizer import Tokenizer
     from service.repository.manifest import read_manifest
@@ -144,11 +147,13 @@ def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload,
     pieces = [tokenizer.pieces(ids) for ids in workload.source_ids]
     limit = read_manifest(model_dir).max_target_len
     ct2_dir = ctranslate2_converter.convert(model_dir, out_dir / "ctranslate2")
-    translator = ctranslate2_runs.load_translator(ct2_dir, "int8")
+    replicas, threads, batch, batch_type = setting or (1, 0, ctranslate2_runs.MAX_BATCH_SIZE, "examples")
+    translator = ctranslate2_runs.load_translator(ct2_dir, "int8", threads=threads, inter_threads=replicas)
 
     def measure_once() -> dict[str, Any]:
-        stats, _ = ctranslate2_runs.run_batch(translator, pieces, 1, limit)
-        return {**stats.to_dict(), "flags": [], "max_batch_size": ctranslate2_runs.MAX_BATCH_SIZE}
+        stats, _ = ctranslate2_runs.run_batch(translator, pieces, 1, limit, batch, batch_type)
+        return {**stats.to_dict(), "flags": [], "max_batch_size": batch, "batch_type": batch_type,
+                "replicas": replicas, "intra_threads": threads}
 
     return measure_once
 
@@ -175,8 +180,10 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{_loop_ms(run)} | {run['batching']['batches']} | {ratio} |")
     if reference:
         speeds = [r["sentences_per_s"] for r in reference["runs"]]
-        lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, max_batch_size "
-                     f"{reference['max_batch_size']}) | - | {reference['sentences_per_s']:.1f} "
+        setting = (f"{reference.get('replicas', 1)} replica(s) x {reference.get('intra_threads', 0) or 'default'} "
+                   f"threads, batches of {reference['max_batch_size']} {reference.get('batch_type', 'examples')}")
+        lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, {setting}) | - | "
+                     f"{reference['sentences_per_s']:.1f} "
                      f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | 1.00 |")
     return "\n".join(lines) + "\n"
 
@@ -224,7 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, in turn")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="also time CTranslate2 int8 translate_batch in the same turns (needs ctranslate2)")
+    parser.add_argument("--ctranslate2-setting", nargs=4, metavar=("REPLICAS", "THREADS", "BATCH", "TYPE"),
+                        default=None, help="CTranslate2's setting, e.g. the best point of `attnserve bench`'s "
+                        "grid: 2 1 32 examples (default: 1 replica, its default threads, 64 examples)")
     args = parser.parse_args(argv)
+    setting = None
+    if args.ctranslate2_setting is not None:
+        replicas, threads, batch, batch_type = args.ctranslate2_setting
+        if not (replicas.isdigit() and threads.isdigit() and batch.isdigit()) or batch_type not in ("examples", "tokens"):
+            parser.error("--ctranslate2-setting: REPLICAS THREADS BATCH as integers, TYPE examples or tokens")
+        setting = (int(replicas), int(threads), int(batch), batch_type)
     if args.baseline is not None:
         args.variants = [BASELINE, *args.variants]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -248,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             check=False).stdout.strip() or None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
     with tempfile.TemporaryDirectory(prefix="levers-") as scratch:
-        reference = ctranslate2_reference(folder, workload, Path(scratch)) if args.ctranslate2 else None
+        reference = (ctranslate2_reference(folder, workload, Path(scratch), setting)
+                     if args.ctranslate2 or setting else None)
         reference_runs = _run_in_turns(args, workload, runs, reference)
     median_by = "latency_p95_s" if args.rate else "sentences_per_s"  # open loop: all keep the rate
     for name, variant_runs in runs.items():

@@ -45,6 +45,23 @@ def test_levers_time_ctranslate2_in_the_same_turns(tiny_bench_dirs: tuple[Path, 
     assert f"| {ratio:.2f} |" in table and "| CTranslate2 int8 `translate_batch`" in table
 
 
+def test_levers_time_ctranslate2_at_a_chosen_setting(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("ctranslate2")
+    models, data = tiny_bench_dirs
+    out = tmp_path / "levers"
+    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
+                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "1",
+                 "--variants", "defaults (continuous batching)", "--ctranslate2-setting", "2", "1", "16", "tokens"]) == 0
+    reference = json.loads((out / "levers.json").read_text(encoding="utf-8"))["ctranslate2"]
+    assert (reference["replicas"], reference["intra_threads"], reference["max_batch_size"], reference["batch_type"]) == \
+        (2, 1, 16, "tokens")
+    assert reference["sentences"] == 8 and reference["sentences_per_s"] > 0
+    assert "(in-process, 2 replica(s) x 1 threads, batches of 16 tokens)" in (out / "levers.md").read_text(encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
+              "--ctranslate2-setting", "2", "1", "16", "sentences"])
+
+
 def test_levers_open_loop_at_a_rate(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     models, data = tiny_bench_dirs
     out = tmp_path / "levers"
