@@ -436,14 +436,21 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
 
 def _usable_step(name: str, step: ort.InferenceSession | None, provider: str,
                  wanted: bool | None) -> ort.InferenceSession | None:
-    """The step session to serve with: None when `wanted` is False, or None and its cache type
-    is not one of `STEP_CACHE_TYPES` of the provider (its attention would leave the device)."""
+    """The step session to serve with: None when `wanted` is False, or None and the type of its
+    cache (and, when its cross-attention is `GroupQueryAttention` too, i.e. it has the
+    `present_cross_*` outputs, of its cross keys/values) is not one of `STEP_CACHE_TYPES` of the
+    provider (its attention would leave the device)."""
     if step is None or wanted is False:
         return None
-    kind = {i.name: i.type for i in step.get_inputs()}.get("past_key.0", "")
-    if wanted is None and kind not in STEP_CACHE_TYPES.get(provider, ()):
-        logger.info("%s: the step graph's attention (cache %s) has no %s kernel: continuous batching on "
-                    "the merged decoder", name, kind, provider)
+    types = {i.name: i.type for i in step.get_inputs()}
+    attended = ["past_key.0"]
+    if graph_io.cross_present_names(1)[0] in {o.name for o in step.get_outputs()}:
+        attended.append("cross_key.0")
+    kinds = [types.get(input_name, "") for input_name in attended]
+    if wanted is None and any(kind not in STEP_CACHE_TYPES.get(provider, ()) for kind in kinds):
+        logger.info("%s: the step graph's attention (%s) has no %s kernel: continuous batching on "
+                    "the merged decoder", name, ", ".join(f"{n} {k}" for n, k in zip(attended, kinds, strict=True)),
+                    provider)
         return None
     return step
 

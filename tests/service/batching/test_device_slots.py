@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -246,6 +247,27 @@ def test_the_step_graph_is_served_where_its_attention_has_a_kernel(tiny_model_re
     assert _usable_step("tiny", runtime.step, CUDA, None) is None
     assert _usable_step("tiny", runtime.step, CUDA, True) is runtime.step
     assert ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32", step_graph=False).step is None
+
+
+def test_a_step_graph_whose_cross_attention_has_no_kernel_is_left_out() -> None:
+    """Cross-attention over each row's own source is `GroupQueryAttention` too: on CUDA both its
+    cache and its cross keys/values must be float16 (what `_usable_step` reads of a session:
+    its inputs' and outputs' names and types)."""
+    from types import SimpleNamespace
+
+    from service.runtime import CUDA
+    from service.runtime.model_runtime import _usable_step
+
+    def graph(cache: str, cross: str, cross_outputs: bool) -> Any:
+        inputs = [SimpleNamespace(name="past_key.0", type=cache), SimpleNamespace(name="cross_key.0", type=cross)]
+        outputs = [SimpleNamespace(name=n, type=cross) for n in ["logits", *(["present_cross_key.0"] * cross_outputs)]]
+        return SimpleNamespace(get_inputs=lambda: inputs, get_outputs=lambda: outputs)
+
+    half, single = "tensor(float16)", "tensor(float)"
+    assert _usable_step("m", (both := graph(half, half, True)), CUDA, None) is both
+    assert _usable_step("m", graph(half, single, True), CUDA, None) is None  # its cross-attention would leave the GPU
+    assert _usable_step("m", (masked := graph(half, single, False)), CUDA, None) is masked  # products: any type
+    assert _usable_step("m", (mixed := graph(half, single, True)), CPU, None) is mixed
 
 
 
