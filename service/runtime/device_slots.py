@@ -291,7 +291,7 @@ class DeviceSlots:
         binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
         binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
         binding.bind_output("logits", "cpu")  # first: read back as the first output
-        in_place = cross_in_place(session, self.layers)
+        in_place = cross_in_place(session)
         for name, value in zip(graph_io.cross_names(self.layers), self.cross, strict=True):
             view = [count, *value.shape()[1:]]
             self.graphs.bind_view(binding, name, value, view)

@@ -53,7 +53,7 @@ from service.runtime.providers import (
 )
 from service.runtime.row_gather import RowGather
 from service.runtime.shortlist import Shortlist
-from service.runtime.step_buffers import HostSlots
+from service.runtime.step_buffers import HostSlots, cross_in_place
 from service.runtime.tensors import DecoderStep, EncoderState, Gatherer, KVCache, Tensor, to_numpy
 
 logger = logging.getLogger(__name__)
@@ -444,7 +444,7 @@ def _usable_step(name: str, step: ort.InferenceSession | None, provider: str,
         return None
     types = {i.name: i.type for i in step.get_inputs()}
     attended = ["past_key.0"]
-    if graph_io.cross_present_names(1)[0] in {o.name for o in step.get_outputs()}:
+    if cross_in_place(step):
         attended.append("cross_key.0")
     kinds = [types.get(input_name, "") for input_name in attended]
     if wanted is None and any(kind not in STEP_CACHE_TYPES.get(provider, ()) for kind in kinds):

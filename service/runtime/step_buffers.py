@@ -62,14 +62,14 @@ class CacheBuffers:
 _CROSS_IN_PLACE: weakref.WeakKeyDictionary[ort.InferenceSession, bool] = weakref.WeakKeyDictionary()
 
 
-def cross_in_place(session: ort.InferenceSession, layers: int) -> bool:
+def cross_in_place(session: ort.InferenceSession) -> bool:
     """Whether the step graph `session` has its cross keys/values as outputs too
     (`present_cross_*`: a graph whose cross-attention reads each row's own source), to be bound
     to the memory of the inputs of the same name."""
     known = _CROSS_IN_PLACE.get(session)
     if known is None:
         outputs = {o.name for o in session.get_outputs()}
-        known = _CROSS_IN_PLACE[session] = graph_io.cross_present_names(layers)[0] in outputs
+        known = _CROSS_IN_PLACE[session] = graph_io.cross_present_names(1)[0] in outputs  # present_cross_key.0
     return known
 
 
@@ -91,7 +91,7 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
     binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
     binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
     binding.bind_output("logits", "cpu")
-    in_place = cross_in_place(session, layers)
+    in_place = cross_in_place(session)
     for name, array in zip(graph_io.cross_names(layers), cross, strict=True):
         if in_place:  # a graph whose cross-attention writes into the cross keys/values' buffers
             value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))  # shares the memory

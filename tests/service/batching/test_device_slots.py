@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -258,16 +257,23 @@ def test_a_step_graph_whose_cross_attention_has_no_kernel_is_left_out() -> None:
     from service.runtime import CUDA
     from service.runtime.model_runtime import _usable_step
 
-    def graph(cache: str, cross: str, cross_outputs: bool) -> Any:
-        inputs = [SimpleNamespace(name="past_key.0", type=cache), SimpleNamespace(name="cross_key.0", type=cross)]
-        outputs = [SimpleNamespace(name=n, type=cross) for n in ["logits", *(["present_cross_key.0"] * cross_outputs)]]
-        return SimpleNamespace(get_inputs=lambda: inputs, get_outputs=lambda: outputs)
+    class Graph:  # a session's inputs and outputs (weak-referenceable, as sessions are)
+        def __init__(self, cache: str, cross: str, cross_outputs: bool) -> None:
+            self.inputs = [SimpleNamespace(name="past_key.0", type=cache), SimpleNamespace(name="cross_key.0", type=cross)]
+            self.outputs = [SimpleNamespace(name=n, type=cross)
+                            for n in ["logits", *(["present_cross_key.0"] * cross_outputs)]]
+
+        def get_inputs(self) -> list[SimpleNamespace]:
+            return self.inputs
+
+        def get_outputs(self) -> list[SimpleNamespace]:
+            return self.outputs
 
     half, single = "tensor(float16)", "tensor(float)"
-    assert _usable_step("m", (both := graph(half, half, True)), CUDA, None) is both
-    assert _usable_step("m", graph(half, single, True), CUDA, None) is None  # its cross-attention would leave the GPU
-    assert _usable_step("m", (masked := graph(half, single, False)), CUDA, None) is masked  # products: any type
-    assert _usable_step("m", (mixed := graph(half, single, True)), CPU, None) is mixed
+    assert _usable_step("m", (both := Graph(half, half, True)), CUDA, None) is both
+    assert _usable_step("m", Graph(half, single, True), CUDA, None) is None  # its cross-attention would leave the GPU
+    assert _usable_step("m", (masked := Graph(half, single, False)), CUDA, None) is masked  # products: any type
+    assert _usable_step("m", (mixed := Graph(half, single, True)), CPU, None) is mixed
 
 
 
