@@ -12,9 +12,10 @@ Continuous batching (given a `running_batch` factory, an `InFlightBatch`): greed
 running batch between two decoder steps, when `policy.joiners` lets them, and leave it, their
 futures resolved, as soon as they finish. The `Stepper` steps the running batch in the worker
 thread until something new arrives (a row, a `run` call, shutdown) or a join falls due, then
-the loop decides. Beam-search rows form request-level batches, run one at a time in a second
-worker thread beside the running batch, which keeps stepping: a beam request never pauses the
-greedy rows (onnxruntime sessions take calls from several threads at once).
+the loop decides. Beam-search rows join it too when it takes them (`takes_beams`: the step
+graph's `SlotBatch`, one row per beam); otherwise they form request-level batches, run one at
+a time in a second worker thread beside the running batch, which keeps stepping: a beam request
+never pauses the greedy rows (onnxruntime sessions take calls from several threads at once).
 
 Every row carries `RowHooks`, and the generation function is called with them (`hooks=`, one
 per row): a row whose `cancel` is set leaves its batch at the next decoder step (a beam-search
@@ -99,6 +100,7 @@ class Batcher:
         # counted when the rows in flight change (`_recount`), read per request and per event
         self._live = 0  # rows of the two not cancelled (`running`)
         self._longest = 0  # the longest source of `_decoding`
+        self._decoding_rows = 0  # rows of the running batch `_decoding` takes (one per beam)
         self._in_flight_tokens = 0  # source tokens of the two
         self._arrived = asyncio.Event()
         self._filling = asyncio.Event()  # an arrival, for a request-level batch that fills
@@ -164,6 +166,7 @@ class Batcher:
         self._live = sum(1 for row in in_flight if not row.hooks.cancelled)
         self._in_flight_tokens = sum(len(row.source) for row in in_flight)
         self._longest = max((len(row.source) for row in self._decoding), default=0)
+        self._decoding_rows = sum(row.key.beam_size for row in self._decoding)
 
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
@@ -328,7 +331,8 @@ class Batcher:
                 await self._arrived.wait()
                 continue
             if not beside:
-                oldest = next((row for row in self._queue if not self._joins_running_batch(row) and not row.done),
+                running = self._running_state()
+                oldest = next((row for row in self._queue if not policy.joins(row.key, running) and not row.done),
                               None)
                 if oldest is not None:
                     self._request_batch = asyncio.ensure_future(self._beside_batch(oldest))
@@ -337,18 +341,16 @@ class Batcher:
                 self._stepper.start(self._finish)
             await self._wait_for_news()
 
-    def _joins_running_batch(self, row: QueuedRow) -> bool:
-        return self._stepper is not None and row.key.joins_running_batch
-
     def _running_state(self) -> policy.RunningState:
         assert self._stepper is not None
         batch = self._stepper.batch
         return policy.RunningState(
-            rows=len(self._decoding),
+            rows=self._decoding_rows,
             longest=self._longest,
             # only a batch padded to its oldest row is limited by its age (`policy.joiners`)
             oldest_age=batch.oldest_age if self._decoding and batch.pads_to_oldest else 0,
             pads_to_oldest=batch.pads_to_oldest,
+            takes_beams=batch.takes_beams,
         )
 
     async def _fill_and_run(self, head: QueuedRow, executor: ThreadPoolExecutor) -> None:

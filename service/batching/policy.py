@@ -4,8 +4,9 @@ Request-level batches (`request_batch`): the oldest rows sharing the head's `Row
 size, token limit), up to `max_batch_size` rows and `max_batch_tokens` padded source tokens
 times the beams.
 
-Joins into the running batch (`joiners`, greedy rows only): up to `max_batch_size` rows and
-`max_batch_tokens` padded source tokens in the batch. A join costs an encoder call and (unless
+Joins into the running batch (`joiners`: greedy rows, and beam-search rows when the batch
+takes them, `RunningState.takes_beams`, each counted as one row per beam): up to
+`max_batch_size` rows and `max_batch_tokens` padded source tokens in the batch. A join costs an encoder call and (unless
 the newcomers fit in the slots of rows that left) a copy of the batch's state, so rows join in
 groups of a quarter of the running batch (at most `join_rows`, a quarter of `max_batch_size`;
 at once into a batch of fewer than 4 rows), or when the oldest has waited `max_join_wait_s`,
@@ -49,10 +50,6 @@ class RowKey:
     beam_size: int
     max_new_tokens: int
 
-    @property
-    def joins_running_batch(self) -> bool:
-        """Greedy rows join the running batch; beam-search rows form request-level batches."""
-        return self.beam_size == 1
 
 
 class Candidate(Protocol):
@@ -75,10 +72,17 @@ Row = TypeVar("Row", bound=Candidate)
 class RunningState:
     """The running batch as the join policy sees it."""
 
-    rows: int = 0
+    rows: int = 0  # rows it decodes (a beam-search row counts one per beam)
     longest: int = 0  # longest source among its rows
     oldest_age: int = 0  # steps its oldest row has run
     pads_to_oldest: bool = False
+    takes_beams: bool = False  # beam-search rows join it too
+
+
+def joins(key: RowKey, running: RunningState) -> bool:
+    """Whether rows of `key` join the running batch: greedy rows always, beam-search rows when
+    it takes them (else they form request-level batches)."""
+    return key.beam_size == 1 or running.takes_beams
 
 
 def join_age_limit(max_join_age: int, join_rows: int, rows: int) -> int:
@@ -108,43 +112,48 @@ def request_batch(queue: Iterable[Row], key: RowKey, limits: BatchLimits) -> tup
 
 
 def joiners(queue: Iterable[Row], running: RunningState, limits: BatchLimits, now: float) -> list[Row]:
-    """The greedy rows that join the running batch now, oldest first; none while they should
-    wait (a group forming, the batch too old, no room for a whole group)."""
+    """The rows that join the running batch now (`joins`), oldest first; none while they
+    should wait (a group forming, the batch too old, no room for a whole group)."""
     if (limits.max_join_age and running.pads_to_oldest and running.rows
             and running.oldest_age > join_age_limit(limits.max_join_age, limits.join_rows, running.rows)):
         return []
     room = limits.max_batch_size - running.rows
     rows, longest = running.rows, running.longest
     chosen: list[Row] = []
-    left_behind = False  # a greedy row waits that the room or the token budget kept out
+    taken = 0  # rows of the batch the chosen take (one per beam)
+    left_behind = False  # a row waits that the room or the token budget kept out
     for row in queue:
-        if row.done or not row.key.joins_running_batch:
+        if row.done or not joins(row.key, running):
             continue
         width = max(longest, len(row.source))
-        if len(chosen) == room or (rows and (rows + 1) * width > limits.max_batch_tokens):
+        beams = row.key.beam_size
+        # a row of more beams than the batch's size joins an empty batch alone
+        too_many = taken + beams > room and (taken or running.rows)
+        if too_many or (rows and (rows + beams) * width > limits.max_batch_tokens):
             left_behind = True
             break
         chosen.append(row)
-        rows, longest = rows + 1, width
+        taken += beams
+        rows, longest = rows + beams, width
     if not chosen:
         return []
     group = min(limits.join_rows, running.rows // 4)  # 0 when the batch is (nearly) empty
     waited = now - chosen[0].enqueued_at
     # behind a backlog a small group waits for room: joining a few rows per finished row would
     # copy the batch per row
-    if len(chosen) < group and (left_behind or waited < limits.max_join_wait_s):
+    if taken < group and (left_behind or waited < limits.max_join_wait_s):
         return []
     return chosen
 
 
 def join_due(queue: Iterable[Row], running: RunningState, limits: BatchLimits,
              now: float) -> float | None:
-    """Seconds until the oldest waiting greedy row may join without a group, when that is
-    ahead and the batch has room; None otherwise (a finishing row or an arrival wakes the
-    scheduler then)."""
+    """Seconds until the oldest waiting row that joins the batch (`joins`) may join without a
+    group, when that is ahead and the batch has room; None otherwise (a finishing row or an
+    arrival wakes the scheduler then)."""
     if running.rows >= limits.max_batch_size:
         return None
-    oldest = next((row for row in queue if row.key.joins_running_batch and not row.done), None)
+    oldest = next((row for row in queue if joins(row.key, running) and not row.done), None)
     if oldest is None:
         return None
     due = oldest.enqueued_at + limits.max_join_wait_s - now

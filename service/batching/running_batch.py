@@ -52,6 +52,7 @@ class RunningBatch(Generic[Owner]):
     """
 
     pads_to_oldest = True  # a newcomer's cache is padded to the oldest row's length
+    takes_beams = False  # greedy rows only: beam-search rows run in request-level batches
 
     def __init__(self, runtime: Runtime, compact_fraction: float = 0.25, padding_slack: float = 1.25,
                  trim_slack: int = 4, scores: bool = True) -> None:
@@ -106,8 +107,12 @@ class RunningBatch(Generic[Owner]):
         owners: Sequence[Owner],
         max_new_tokens: Sequence[int],
         hooks: Sequence[RowHooks | None] | None = None,
+        beam_sizes: Sequence[int] | None = None,
     ) -> None:
-        """Encode `sources` (ids ending with EOS) and join them to the batch before the next step."""
+        """Encode `sources` (ids ending with EOS) and join them to the batch before the next
+        step; greedy rows only (`beam_sizes` all 1)."""
+        if beam_sizes is not None and any(k != 1 for k in beam_sizes):
+            raise ValueError("RunningBatch decodes greedy rows only")
         if not sources:
             return
         states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks, self.padding_slack)

@@ -34,6 +34,13 @@ departure); the step's argmax maps back to a token id through it. A step with th
 vocabulary: those need the probabilities of every token (and the prefix's tokens may lie outside
 the shortlist). Device slots always compute the whole vocabulary.
 
+Beam-search rows decode in the running batch too: a row of beam k takes k slots, one per beam
+(its cross keys/values written k times), and after each step its `BeamRow` (the rules of
+`service.generation.search`) picks the next beams from the log-probabilities of those k slots;
+a beam whose parent is another slot of the row takes a copy of that slot's cache. The row
+leaves, all k slots at once, when it closes. Greedy rows step beside it: a beam request holds
+k rows of the batch for its length, and never pauses the others.
+
 The same caveat as `RunningBatch`: with int8 graphs a row's activations are quantized with the
 whole batch's scale, so its tokens may depend on its neighbours.
 """
@@ -41,6 +48,7 @@ whole batch's scale, so its tokens may depend on its neighbours.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Generic, Protocol, cast
 
 import numpy as np
@@ -55,7 +63,7 @@ from service.batching.in_flight import (
     newcomer_order,
 )
 from service.generation.hooks import RowHooks
-from service.generation.search import GenerationResult
+from service.generation.search import BeamRow, GenerationResult, beam_candidates, log_softmax
 from service.runtime.device_slots import DeviceSlots, slot_graphs, step_dtypes, step_element_types
 from service.runtime.protocol import Runtime
 from service.runtime.shortlist import Shortlist, ShortlistCounts
@@ -78,6 +86,36 @@ def _rounded(needed: int, quantum: int) -> int:
     Every slot gets the longest row's columns, so doubling would give every row up to twice the
     cache one long row needs; a few more copies as that row grows cost less."""
     return -(-needed // quantum) * quantum
+
+
+@dataclass(eq=False)
+class BeamGroup(Generic[Owner]):
+    """A beam-search row of the batch: its owner and its `BeamRow`, over k slots."""
+
+    owner: Owner
+    search: BeamRow
+
+
+@dataclass(eq=False)
+class BeamSlot(Generic[Owner]):
+    """The slot of beam `beam` (0..k-1) of a beam-search row."""
+
+    group: BeamGroup[Owner]
+    beam: int
+
+    @property
+    def owner(self) -> Owner:
+        return self.group.owner
+
+
+def _first(row: Member[Owner] | BeamSlot[Owner]) -> bool:
+    """Whether a slot is its row's first: a greedy row's, or beam 0 of a beam-search row."""
+    return not isinstance(row, BeamSlot) or row.beam == 0
+
+
+def _age(row: Member[Owner] | BeamSlot[Owner]) -> int:
+    """Decoder steps a slot's row has run."""
+    return len(row.tokens) if isinstance(row, Member) else row.group.search.steps
 
 
 class Slots(Protocol):
@@ -118,6 +156,7 @@ class SlotBatch(Generic[Owner]):
     """The rows decoding together on the step graph; `add` rows, call `step` until it is empty."""
 
     pads_to_oldest = False  # a newcomer's cache is its own: joins cost the same at any age
+    takes_beams = True  # beam-search rows join too, one slot per beam
 
     def __init__(self, runtime: Runtime, padding_slack: float = 1.25, scores: bool = True,
                  rows: int = 8, capacity: int = QUANTUM, quantum: int = QUANTUM,
@@ -129,7 +168,8 @@ class SlotBatch(Generic[Owner]):
         self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
         self._initial = (rows, capacity)
         self.quantum = quantum  # columns and source width grow to multiples of this
-        self._members: list[Member[Owner]] = []  # live rows: slot i holds self._members[i]
+        self._members: list[Member[Owner] | BeamSlot[Owner]] = []  # live rows: slot i holds self._members[i]
+        self._beams = 0  # beam-search rows among them (each in k slots)
         if on_device is None:
             on_device = slots_on_device(runtime)
         self._slots: Slots = (_device_slots(runtime, rows, capacity) if on_device else
@@ -145,7 +185,7 @@ class SlotBatch(Generic[Owner]):
         self._candidates: list[np.ndarray] = []
 
     def __len__(self) -> int:
-        """Rows still decoding."""
+        """Slots still decoding (a beam-search row holds one per beam)."""
         return len(self._members)
 
     @property
@@ -176,13 +216,13 @@ class SlotBatch(Generic[Owner]):
 
     @property
     def owners(self) -> list[Owner]:
-        """The owner of each live row, in slot order."""
-        return [member.owner for member in self._members]
+        """The owner of each live row, in slot order (a beam-search row's at its beam 0)."""
+        return [member.owner for member in self._members if _first(member)]
 
     @property
     def oldest_age(self) -> int:
         """Decoder steps the oldest live row has run (0 when empty)."""
-        return max((len(m.tokens) for m in list(self._members)), default=0)
+        return max((_age(m) for m in list(self._members)), default=0)
 
     def concatenate(
         self,
@@ -190,18 +230,29 @@ class SlotBatch(Generic[Owner]):
         owners: Sequence[Owner],
         max_new_tokens: Sequence[int],
         hooks: Sequence[RowHooks | None] | None = None,
+        beam_sizes: Sequence[int] | None = None,
     ) -> None:
-        """Encode `sources` (ids ending with EOS) and put them in the next free slots."""
+        """Encode `sources` (ids ending with EOS) and put them in the next free slots; a source
+        of beam size k (`beam_sizes`, 1 each by default) takes k slots and is beam-searched."""
         if not sources:
             return
+        beam_sizes = list(beam_sizes) if beam_sizes is not None else [1] * len(sources)
+        if len(beam_sizes) != len(sources) or min(beam_sizes) < 1:
+            raise ValueError("one beam size >= 1 per source")
         states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks, self.padding_slack)
+        order = newcomer_order(sources)  # the members' order (`encode_newcomers`)
+        beams = [beam_sizes[i] for i in order]
         live = len(self._members)
-        rows = live + len(members)
+        rows = live + sum(beams)
         width = max(state.source_mask.shape[1] for state in states)
         if rows > self.slots or width > self.source_len:
             self._resize(_doubled(self.slots, rows), self.capacity, max(_rounded(width, self.quantum), self.source_len))
-        row = live
+        row, first = live, 0
         for state in states:  # a group encoded together: (count, w) sources
+            count = state.source_mask.shape[0]
+            if any(k > 1 for k in beams[first:first + count]):  # each beam of a row in its own slot
+                state = state.select(np.repeat(np.arange(count), beams[first:first + count]))
+            first += count
             count, w = state.source_mask.shape
             self._slots.write(row, [t for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair])
             self._source_mask[row:row + count] = False
@@ -209,13 +260,21 @@ class SlotBatch(Generic[Owner]):
             row += count
         self._positions[live:rows] = 0  # the slot's old columns are never read: the graph reads 0..position
         self._last[live:rows] = self.runtime.decoder_start_id
-        self._members += members
+        for member, k in zip(members, beams, strict=True):
+            if k == 1:
+                self._members.append(member)
+                continue
+            group = BeamGroup(member.owner, BeamRow(k, self.runtime.eos_id, member.max_new_tokens,
+                                                    hooks=member.hooks, track=member.token_scores is not None))
+            self._members += [BeamSlot(group, beam) for beam in range(k)]
+            self._beams += 1
         if self._shortlist is not None and self._counts is not None:
             table = self._shortlist.table
-            for i in newcomer_order(sources):  # the members' order (`encode_newcomers`)
+            for i, k in zip(order, beams, strict=True):
                 candidates = table.row_candidates(sources[i])
-                self._counts.join(candidates)
-                self._candidates.append(candidates)
+                for _ in range(k):
+                    self._counts.join(candidates)
+                    self._candidates.append(candidates)
 
     def generate_token(self) -> list[tuple[Owner, GenerationResult]]:
         """One decoder step for every row; returns the rows that finished (they have left)."""
@@ -235,23 +294,73 @@ class SlotBatch(Generic[Owner]):
             logits = cast(HostSlots, self._slots).step(self._shortlist.session, self._last[:live, None],
                                                        self._positions[:live, None], self._source_mask[:live],
                                                        vocab)  # (n, V')
-        best, chosen = choose(self._members, logits, self.scores)  # (n,) each
+        # the greedy rows (None: a beam's slot, chosen by its `BeamRow` below)
+        greedy: Sequence[Member[Owner] | None] = (
+            cast(list[Member[Owner]], self._members) if not self._beams
+            else [m if isinstance(m, Member) else None for m in self._members])
+        best, chosen = choose(greedy, logits, self.scores)  # (n,) each
         if vocab is not None:
             best = vocab[best]
-        finished = advance(self._members, best, chosen, self.runtime.eos_id, self.scores)
+        finished = advance(greedy, best, chosen, self.runtime.eos_id, self.scores)
+        results = [result for _, result in finished]
+        leaving = [i for i, _ in finished]
+        if self._beams:
+            closed, closed_results = self._advance_beams(logits, best)
+            leaving += closed
+            results += closed_results
         self._positions[:live] += 1
         self._last[:live] = best
-        if finished:
-            self._remove(sorted(i for i, _ in finished))
-        return [result for _, result in finished]
+        if leaving:
+            self._remove(sorted(leaving))
+        return results
+
+    def _advance_beams(self, logits: np.ndarray,
+                       best: np.ndarray) -> tuple[list[int], list[tuple[Owner, GenerationResult]]]:
+        """Each beam-search row's step (`BeamRow.advance`) from its slots' rows of the (n, V)
+        `logits`: its next tokens into `best`, each beam's cache copied from its parent's slot
+        where that is another slot; returns the slots of the rows that closed (all of each
+        row's) and those rows' results."""
+        slots: dict[BeamGroup[Owner], list[int]] = {}
+        for i, member in enumerate(self._members):
+            if isinstance(member, BeamSlot):
+                slots.setdefault(member.group, [0] * member.group.search.k)[member.beam] = i
+        index = np.asarray([i for group_slots in slots.values() for i in group_slots], dtype=np.int64)
+        log_probs = log_softmax(logits[index])  # (sum of k, V)
+        closed: list[int] = []
+        results: list[tuple[Owner, GenerationResult]] = []
+        sources: list[int] = []
+        targets: list[int] = []
+        first = 0
+        for group, group_slots in slots.items():
+            search, k = group.search, len(group_slots)
+            own = log_probs[first:first + k]  # (k, V)
+            first += k
+            top_scores, top_index = beam_candidates(search.scores[None], own, k)
+            chosen = search.advance(own, top_scores[0], top_index[0])
+            if chosen is None:
+                closed += group_slots
+                results.append((group.owner, search.result()))
+                continue
+            parents, tokens = chosen
+            best[group_slots] = tokens
+            for slot, parent in zip(group_slots, parents, strict=True):
+                if group_slots[parent] != slot:
+                    sources.append(group_slots[parent])
+                    targets.append(slot)
+        if sources:  # every cache column written so far: positions 0..position
+            source_index = np.asarray(sources, dtype=np.int64)
+            self._slots.move_rows(source_index, np.asarray(targets, dtype=np.int64),
+                                  int(self._positions[source_index].max()) + 1)
+        return closed, results
 
     def step_vocab(self) -> np.ndarray | None:
         """The ids this step computes: the batch's shortlist, or None (the whole vocabulary)
         without a shortlist, with the batch's `scores`, or while a live row has a forced prefix
         or asks for its scores."""
-        if self._counts is None or self.scores:
+        if self._counts is None or self.scores or self._beams:
             return None
-        if any(member.prefix or member.token_scores is not None for member in self._members):
+        if any(member.prefix or member.token_scores is not None for member in self._members
+               if isinstance(member, Member)):
             return None
         return self._counts.vocab
 
@@ -259,7 +368,7 @@ class SlotBatch(Generic[Owner]):
         """Keep only the rows of `owners`; the others leave at once (the last live rows move
         into their slots); returns the owners that left."""
         gone = [i for i, m in enumerate(self._members) if m.owner not in owners]
-        left = [self._members[i].owner for i in gone]
+        left = [self._members[i].owner for i in gone if _first(self._members[i])]
         if gone:
             self._remove(gone)
         return left
@@ -274,6 +383,8 @@ class SlotBatch(Generic[Owner]):
         if self._counts is not None:
             for i in finished:
                 self._counts.leave(self._candidates[i])
+        if self._beams:
+            self._beams -= len({m.group for i in finished if isinstance(m := self._members[i], BeamSlot)})
         if holes.size:
             self._slots.move_rows(movers, holes, int(self._positions[movers].max()))
             for array in (self._source_mask, self._positions, self._last):

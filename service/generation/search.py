@@ -225,11 +225,110 @@ def greedy(
     return [r if r is not None else result(row, "length") for row, r in enumerate(results)]
 
 
+class BeamRow:
+    """One source's beam search: its `k` beams (tokens, summed log-probabilities), its finished
+    hypotheses, and the rules that pick the next beams from a step's log-probabilities (the
+    module's: fairseq's EOS rule, the forced prefix, cancellation, the token limit).
+
+    Its caller steps the decoder over the row's k beams and gives `advance` their (k, V)
+    log-probabilities and the 2k best candidates of `scores[:, None] + log_probs`; `advance`
+    answers each next beam's parent beam and token, or None once the row is closed (`result`).
+    A request-level batch (`beam_search`) and the running batch (`SlotBatch`) step it alike.
+    `track` keeps each beam's token log-probabilities (`token_scores` of the results)."""
+
+    def __init__(self, k: int, eos: int, max_new_tokens: int, length_penalty: float = 1.0,
+                 hooks: RowHooks | None = None, track: bool = False) -> None:
+        self.k = k
+        self.eos = eos
+        self.max_new_tokens = max_new_tokens
+        self.length_penalty = length_penalty
+        self.hooks = hooks
+        self.track = track
+        self.prefix = hooks.prefix if hooks is not None else ()
+        self.steps = 0  # decoder steps taken: every beam holds this many tokens
+        self.tokens: list[list[int]] = [[] for _ in range(k)]
+        self.token_scores: list[list[float]] = [[] for _ in range(k)]
+        self.scores = np.zeros(k, dtype=np.float32)  # (k,) summed log-probability of each beam
+        self.scores[1:] = -np.inf  # all beams start identical: expand only the first
+        self.finished: list[GenerationResult] = []
+        self.cancelled: GenerationResult | None = None
+
+    def _hypothesis(self, tokens: list[int], reason: str, score: float, scored: list[float],
+                    length: int | None) -> GenerationResult:
+        """A finished (or cancelled) beam; its score normalised by `length` unless None."""
+        return GenerationResult(tokens, reason, score if length is None else score / length**self.length_penalty,
+                                token_scores=tuple(scored) if self.track else None, log_prob=score)
+
+    def advance(self, log_probs: np.ndarray, top_scores: np.ndarray,
+                top_index: np.ndarray) -> tuple[list[int], list[int]] | None:
+        """One step from the beams' (k, V) `log_probs` and the row's 2k best candidates
+        (`top_k` of the (k*V,) `scores[:, None] + log_probs`: scores and flat indices): the next
+        beams' (parents, tokens), each parent a beam 0..k-1 of this step, or None when the row
+        closed (k hypotheses finished, its hook cancelled, or its token limit reached)."""
+        k, step, vocab = self.k, self.steps, log_probs.shape[-1]
+        length = step + 1
+        self.steps += 1
+        alive: list[tuple[int, int, float]] = []  # (parent beam, token, score)
+        if step < len(self.prefix):  # forced: one live beam, the others dead copies of it
+            token = self.prefix[step]
+            score = float(self.scores[0]) + float(log_probs[0, token])
+            alive = [(0, token, score)] + [(0, token, -np.inf)] * (k - 1)
+        for rank in range(len(top_index) if not alive else 0):
+            beam, token = divmod(int(top_index[rank]), vocab)
+            score = float(top_scores[rank])
+            if token == self.eos:
+                if rank < k and len(self.finished) < k:
+                    self.finished.append(self._hypothesis(list(self.tokens[beam]), "eos", score,
+                                                          self.token_scores[beam], length))
+            elif len(alive) < k:
+                alive.append((beam, token, score))
+        if len(self.finished) >= k:
+            return None
+        if self.hooks is not None and self.hooks.cancelled and step < self.max_new_tokens - 1:
+            beam, token, score = alive[0]
+            scored = self.token_scores[beam] + [float(log_probs[beam, token])] if self.track else []
+            self.cancelled = self._hypothesis(self.tokens[beam] + [token], "cancelled", score, scored, None)
+            return None
+        if step == self.max_new_tokens - 1:
+            for beam, token, score in alive[: k - len(self.finished)]:
+                if score == -np.inf:  # a dead copy of a forced beam
+                    continue
+                scored = self.token_scores[beam] + [float(log_probs[beam, token])] if self.track else []
+                self.finished.append(self._hypothesis(self.tokens[beam] + [token], "length", score, scored, length))
+            return None
+        if self.track:
+            self.token_scores = [self.token_scores[b] + [float(log_probs[b, t])] for b, t, _ in alive]
+        self.tokens = [self.tokens[b] + [t] for b, t, _ in alive]
+        self.scores = np.asarray([score for _, _, score in alive], dtype=np.float32)
+        return [b for b, _, _ in alive], [t for _, t, _ in alive]
+
+    def result(self) -> GenerationResult:
+        """The closed row's result: its cancelled beam, or its best finished hypothesis (the
+        first of the highest score); with the hook's `hypotheses` above 1, carrying that many
+        of the best, best first (ties in finishing order)."""
+        if self.cancelled is not None:
+            return self.cancelled
+        best = max(self.finished, key=lambda g: -np.inf if g.score is None else g.score)
+        if self.hooks is None or self.hooks.hypotheses <= 1:
+            return best
+        ranked = sorted(self.finished, key=lambda g: np.inf if g.score is None else -g.score)
+        return dataclasses.replace(best, hypotheses=tuple(ranked[: self.hooks.hypotheses]))
+
+
+def beam_candidates(scores: np.ndarray, log_probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The 2k best candidates of each of R rows: (R, k) beam `scores` plus their (R*k, V)
+    `log_probs`, flattened per row to (R, k*V); returns their scores and flat indices, (R, 2k)
+    each, best first (`BeamRow.advance`'s input)."""
+    candidates = (scores.reshape(-1, 1) + log_probs).reshape(len(scores), -1)
+    return top_k(candidates, 2 * k)
+
+
 def beam_search(
     runtime: Runtime, state: EncoderState, beam_size: int, max_new_tokens: int, length_penalty: float,
     hooks: Hooks | None = None,
 ) -> list[GenerationResult]:
-    """Beam search; the beams of open row r sit at r*k..r*k+k-1 of the decoder batch.
+    """Beam search, one `BeamRow` per source; the beams of open row r sit at r*k..r*k+k-1 of
+    the decoder batch.
 
     While a row's forced prefix lasts, its first beam takes the prefix's next token and the
     others stay dead (score -inf), so every beam starts with the prefix. A row whose hook is
@@ -238,96 +337,37 @@ def beam_search(
     row of the batch asks for them, and a row asking for n hypotheses gets its n best finished
     ones (by the length-normalised score), best first."""
     batch, k = state.source_mask.shape[0], beam_size
-    prefixes = [_prefix(hooks, row) for row in range(batch)]
     track = any(_asks(hooks, row) for row in range(batch))  # each beam's token log-probabilities
+    rows = [BeamRow(k, runtime.eos_id, max_new_tokens, length_penalty, hooks[row] if hooks is not None else None,
+                    track) for row in range(batch)]
     state = state.select(np.repeat(np.arange(batch), k))  # (B*K, ...)
     cache: KVCache | None = None
-    beam_tokens: list[list[int]] = [[] for _ in range(batch * k)]
-    beam_token_scores: list[list[float]] = [[] for _ in range(batch * k)]
-    beam_scores = np.zeros((batch, k), dtype=np.float32)
-    beam_scores[:, 1:] = -np.inf  # all beams start identical: expand only the first
     last = np.full((batch * k, 1), runtime.decoder_start_id, dtype=np.int64)
-    finished: list[list[GenerationResult]] = [[] for _ in range(batch)]
-    cancelled: dict[int, GenerationResult] = {}
     open_rows = list(range(batch))
-
-    def hypothesis(tokens: list[int], reason: str, score: float, scored: list[float],
-                   length: int | None) -> GenerationResult:
-        """A finished (or cancelled) beam; its score normalised by `length` unless None."""
-        return GenerationResult(tokens, reason, score if length is None else score / length**length_penalty,
-                                token_scores=tuple(scored) if track else None, log_prob=score)
-
-    for step in range(max_new_tokens):
+    for _ in range(max_new_tokens):
         out = runtime.decode(last, state, cache)
         log_probs = log_softmax(out.logits[:, -1])  # (R*K, V)
-        vocab = log_probs.shape[-1]
-        candidates = (beam_scores[open_rows].reshape(-1, 1) + log_probs).reshape(len(open_rows), k * vocab)
-        top_scores, top_index = top_k(candidates, 2 * k)  # (R, 2K)
-        length = step + 1
-        next_tokens: list[int] = []
-        next_scores: list[float] = []
+        top_scores, top_index = beam_candidates(np.stack([rows[row].scores for row in open_rows]), log_probs, k)
         next_beams: list[int] = []
+        next_tokens: list[int] = []
         still_open: list[int] = []
         for r, row in enumerate(open_rows):
-            alive: list[tuple[int, int, float]] = []  # (beam position in batch, token, score)
-            if step < len(prefixes[row]):  # forced: one live beam, the others dead copies of it
-                beam, token = r * k, prefixes[row][step]
-                score = float(beam_scores[row, 0]) + float(log_probs[beam, token])
-                alive = [(beam, token, score)] + [(beam, token, -np.inf)] * (k - 1)
-            for rank in range(top_index.shape[1] if not alive else 0):
-                beam = r * k + int(top_index[r, rank]) // vocab
-                token = int(top_index[r, rank]) % vocab
-                score = float(top_scores[r, rank])
-                if token == runtime.eos_id:
-                    if rank < k and len(finished[row]) < k:
-                        finished[row].append(hypothesis(list(beam_tokens[beam]), "eos", score,
-                                                        beam_token_scores[beam], length))
-                elif len(alive) < k:
-                    alive.append((beam, token, score))
-            if len(finished[row]) >= k:
+            chosen = rows[row].advance(log_probs[r * k:(r + 1) * k], top_scores[r], top_index[r])
+            if chosen is None:
                 continue
-            if _cancelled(hooks, row) and step < max_new_tokens - 1:
-                beam, token, score = alive[0]
-                scored = beam_token_scores[beam] + [float(log_probs[beam, token])] if track else []
-                cancelled[row] = hypothesis(beam_tokens[beam] + [token], "cancelled", score, scored, None)
-                continue
-            if step == max_new_tokens - 1:
-                for beam, token, score in alive[: k - len(finished[row])]:
-                    if score == -np.inf:  # a dead copy of a forced beam
-                        continue
-                    scored = beam_token_scores[beam] + [float(log_probs[beam, token])] if track else []
-                    finished[row].append(hypothesis(beam_tokens[beam] + [token], "length", score, scored, length))
-                continue
+            parents, tokens = chosen
             still_open.append(row)
-            for beam, token, score in alive:
-                next_beams.append(beam)
-                next_tokens.append(token)
-                next_scores.append(score)
+            next_beams += [r * k + parent for parent in parents]
+            next_tokens += tokens
         if not still_open:
             break
         cache = out.cache.select(np.asarray(next_beams))
         if len(still_open) < len(open_rows):  # closed rows leave; beams of one row share the source
             kept = [open_rows.index(row) for row in still_open]
             state = state.select(np.asarray([r * k + j for r in kept for j in range(k)]))
-        if track:
-            beam_token_scores = [beam_token_scores[b] + [float(log_probs[b, t])]
-                                 for b, t in zip(next_beams, next_tokens, strict=True)]
-        beam_tokens = [beam_tokens[b] + [t] for b, t in zip(next_beams, next_tokens, strict=True)]
-        beam_scores[still_open] = np.asarray(next_scores, dtype=np.float32).reshape(len(still_open), k)
         last = np.asarray(next_tokens, dtype=np.int64)[:, None]
         open_rows = still_open
-    return [cancelled[row] if row in cancelled else _best(hyps, hooks, row) for row, hyps in enumerate(finished)]
-
-
-def _best(hypotheses: list[GenerationResult], hooks: Hooks | None, row: int) -> GenerationResult:
-    """A row's best finished hypothesis (the first of the highest score); with the row's
-    `hypotheses` above 1, carrying that many of the best, best first (ties in finishing order)."""
-    best = max(hypotheses, key=lambda g: -np.inf if g.score is None else g.score)
-    hook = hooks[row] if hooks is not None else None
-    if hook is None or hook.hypotheses <= 1:
-        return best
-    ranked = sorted(hypotheses, key=lambda g: np.inf if g.score is None else -g.score)
-    return dataclasses.replace(best, hypotheses=tuple(ranked[: hook.hypotheses]))
+    return [row.result() for row in rows]
 
 
 @dataclass(frozen=True)

@@ -244,7 +244,8 @@ class DeviceSlots:
         self._pad(cross, self.cross, count, w, row)
 
     def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int) -> None:
-        """Copy slots `sources` onto slots `targets` (distinct from them), cache and cross
+        """Copy slots `sources` onto slots `targets` (each target once; a target may be among
+        the sources: every source is read before any target is written), cache and cross
         keys/values, in place; whole rows (`columns` is for `HostSlots`' interface: a row's
         first columns are not contiguous in it)."""
         del columns

@@ -142,8 +142,9 @@ class HostSlots:
             target[row:row + count, :, w:] = 0
 
     def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int) -> None:
-        """Copy slots `sources` onto slots `targets`: their first `columns` cache columns and
-        their cross keys/values."""
+        """Copy slots `sources` onto slots `targets` (each target once; a target may be among
+        the sources: numpy reads every source before it writes): their first `columns` cache
+        columns and their cross keys/values."""
         self.buffers.move_rows(sources, targets, columns)
         for array in self.cross:
             array[targets] = array[sources]

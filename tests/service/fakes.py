@@ -147,6 +147,7 @@ class FakeRunningBatch:
     threads: set[str] = field(default_factory=set)
     members: list[_Member] = field(default_factory=list)
     pads_to_oldest: bool = True
+    takes_beams: bool = False
 
     def __len__(self) -> int:
         return len(self.members)
@@ -156,7 +157,8 @@ class FakeRunningBatch:
         return max((m.emitted for m in list(self.members)), default=0)
 
     def concatenate(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
-            hooks: Sequence[Any] | None = None) -> None:
+            hooks: Sequence[Any] | None = None, beam_sizes: Sequence[int] | None = None) -> None:
+        assert beam_sizes is None or set(beam_sizes) == {1}, "greedy rows only"
         hooks = hooks if hooks is not None else [None] * len(sources)
         self.members += [_Member(owner, reverse(source, limit), hook)
                          for source, owner, limit, hook in zip(sources, owners, max_new_tokens, hooks, strict=True)]

@@ -212,6 +212,46 @@ async def test_onnx_rows_arriving_at_random_times_get_their_solo_tokens(tiny_run
     await batcher.close(1)
 
 
+async def test_beam_rows_join_a_slot_batch_and_decode_as_alone(tiny_runtime: ModelRuntime, trained_tiny) -> None:
+    """A running batch that takes beams (`SlotBatch`): beam requests join it beside greedy rows,
+    one row per beam within `max_batch_size`, and nothing runs in a request-level batch."""
+    request_level: list[int] = []
+
+    def generate_fn(sources, beam_size, max_new_tokens, hooks=None):
+        request_level.append(beam_size)
+        return generate(tiny_runtime, sources, beam_size, max_new_tokens, hooks=hooks)
+
+    sizes: list[int] = []
+
+    def slot_batch() -> SlotBatch:
+        batch: SlotBatch = SlotBatch(tiny_runtime)
+        step = batch.generate_token
+
+        def counted():  # the rows of every step
+            sizes.append(len(batch))
+            return step()
+
+        batch.generate_token = counted  # type: ignore[method-assign]
+        return batch
+
+    batcher = Batcher("c-onnx-beam", generate_fn, BatchLimits(max_batch_size=8), slot_batch)
+    batcher.start()
+    sources = [s + [EOS] for s in trained_tiny.valid.sources[:10]]
+    beams = [1, 4, 1, 2, 3, 1, 4, 1, 2, 1]
+
+    async def later(index: int):
+        await asyncio.sleep(0.002 * (index % 5))
+        return (await batcher.submit([sources[index]], beams[index], 12))[0]
+
+    results = await asyncio.gather(*(later(i) for i in range(len(sources))))
+    for result, source_ids, k in zip(results, sources, beams, strict=True):
+        expected = generate(tiny_runtime, [source_ids], k, 12)[0]
+        assert (result.tokens, result.finish_reason) == (expected.tokens, expected.finish_reason)
+    assert request_level == []  # every beam row decoded in the running batch
+    assert max(sizes) <= 8 and max(sizes) > 4  # beams counted as rows, and several rows at once
+    await batcher.close(1)
+
+
 async def test_rows_join_a_busy_batch_in_groups_or_after_the_join_wait() -> None:
     """With 8 rows busy (join group: a quarter of them, 2 rows), one newcomer waits
     `max_join_wait_s` for a companion; two newcomers join at once."""

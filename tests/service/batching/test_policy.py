@@ -52,6 +52,25 @@ def test_request_batch_skips_resolved_rows_and_is_not_full_when_the_queue_runs_o
     assert chosen == [queue[0], queue[2]] and not full
 
 
+def test_beam_rows_join_a_batch_that_takes_beams_one_row_per_beam() -> None:
+    queue = [*rows(3), *rows(4, key=BEAM), *rows(5)]
+    greedy_only = RunningState(rows=1, longest=5)
+    assert joiners(queue, greedy_only, BatchLimits(), now=0.0) == [queue[0], queue[2]]
+    beams = RunningState(rows=1, longest=5, takes_beams=True)
+    assert joiners(queue, beams, BatchLimits(), now=0.0) == queue
+    # room for 4 more rows: the greedy row (1) fits, the beam row (4) does not, nor what follows
+    assert joiners(queue, beams, BatchLimits(max_batch_size=5), now=0.0) == [queue[0]]
+    # the token budget counts a beam row's rows: (1 + 1 + 4) x 5 = 30 > 24
+    assert joiners(queue, beams, BatchLimits(max_batch_tokens=24), now=0.0) == [queue[0]]
+
+
+def test_a_beam_row_wider_than_the_batch_joins_it_alone_when_empty() -> None:
+    queue = rows(4, 4, key=BEAM)
+    limits = BatchLimits(max_batch_size=2)
+    assert joiners(queue, RunningState(takes_beams=True), limits, now=0.0) == [queue[0]]
+    assert joiners(queue, RunningState(rows=4, longest=4, takes_beams=True), limits, now=0.0) == []
+
+
 def test_rows_join_a_small_batch_at_once() -> None:
     queue = rows(3, 4)
     assert joiners(queue, RunningState(rows=3, longest=5), BatchLimits(), now=0.0) == queue
