@@ -46,7 +46,7 @@ import psutil
 
 from bench import load, machine
 from bench import workload as workload_module
-from bench.servers import ServerProcess, free_port, service_command
+from bench.servers import service_process
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +101,7 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
     """One server with `flags` (from the code of `checkout`, if given, serving the checkout's own
     `models_dir` when that path is relative): warm-up, then the closed loop over `texts` (or,
     with `rate`, an open loop for `duration_s`)."""
-    port = free_port()
-    if checkout is not None and not models_dir.is_absolute():
-        models_dir = checkout / models_dir
-    command = service_command(models_dir.resolve(), port) + flags
-    env = {"ATTNSERVE_MAX_TEXT_CHARS": "100000"}
-    if checkout is not None:  # run there: `python -m` puts the working directory first
-        env["PYTHONPATH"] = str(checkout.resolve())
-    server = ServerProcess(command, port, log_path.resolve(), env=env,
-                           cwd=checkout.resolve() if checkout is not None else None)
+    server = service_process(models_dir, log_path, flags, checkout, env={"ATTNSERVE_MAX_TEXT_CHARS": "100000"})
     server.start()
     try:
         url = server.url + "/v1/translate"  # the repository's translation model

@@ -50,6 +50,22 @@ def service_command(models_dir: Path, port: int, mode: str = "continuous", threa
     return command + SERVICE_MODES[mode]
 
 
+def service_process(models_dir: Path, log_path: Path, flags: Sequence[str] = (),
+                    checkout: Path | None = None, env: dict[str, str] | None = None) -> ServerProcess:
+    """`attnserve serve` (`service_command`, continuous batching, plus `flags`) on a free port,
+    not started; from the code of `checkout` when given, serving that checkout's own
+    `models_dir` when the path is relative."""
+    port = free_port()
+    if checkout is not None and not models_dir.is_absolute():
+        models_dir = checkout / models_dir
+    command = service_command(models_dir.resolve(), port) + list(flags)
+    env = dict(env or {})
+    if checkout is not None:  # run there: `python -m` puts the working directory first
+        env["PYTHONPATH"] = str(checkout.resolve())
+    return ServerProcess(command, port, log_path.resolve(), env=env,
+                         cwd=checkout.resolve() if checkout is not None else None)
+
+
 class ServerProcess:
     """One server subprocess: its URL, its log file, and its peak RSS while it runs."""
 

@@ -100,30 +100,3 @@ def test_levers_run_a_baseline_checkout_in_the_same_turns(
         assert run["errors"] == 0 and 0 < run["event_loop_cpu_s"] <= run["server_cpu_s"]
         assert run["event_loop_ms_per_request"] > 0
     assert f"| {BASELINE} | `-` |" in (out / "levers.md").read_text(encoding="utf-8")
-
-
-def test_a_baseline_checkout_serves_its_own_models_when_the_path_is_relative(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from bench import levers
-
-    commands: list[list[str]] = []
-
-    class Started(Exception):
-        pass
-
-    class Recorder:
-        def __init__(self, command: list[str], *args: object, **kwargs: object) -> None:
-            commands.append(command)
-
-        def start(self) -> None:
-            raise Started
-
-    monkeypatch.setattr(levers, "ServerProcess", Recorder)
-    checkout = tmp_path / "checkout"
-    for models, at in ((Path("models"), checkout), (Path("models"), None), (tmp_path / "mine", checkout)):
-        with pytest.raises(Started):
-            levers.measure(models, "m", [], 1, [], tmp_path / "log", checkout=at)
-    assert str((checkout / "models").resolve()) in commands[0]  # the checkout's own models
-    assert str(Path("models").resolve()) in commands[1]
-    assert str(tmp_path / "mine") in commands[2]  # an absolute path is served as given

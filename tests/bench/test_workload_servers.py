@@ -62,3 +62,16 @@ def test_peak_rss_counts_children() -> None:
         child.kill()
         child.wait()
     assert tree_rss_bytes(child.pid) == 0
+
+
+def test_a_baseline_checkout_serves_its_own_models_when_the_path_is_relative(tmp_path: Path) -> None:
+    from bench.servers import service_process
+
+    checkout = tmp_path / "checkout"
+    servers = [service_process(models, tmp_path / "log", ["--x"], checkout=at)
+               for models, at in ((Path("models"), checkout), (Path("models"), None), (tmp_path / "mine", checkout))]
+    assert str((checkout / "models").resolve()) in servers[0].command  # the checkout's own models
+    assert servers[0].cwd == checkout.resolve() and servers[0].env["PYTHONPATH"] == str(checkout.resolve())
+    assert str(Path("models").resolve()) in servers[1].command and servers[1].cwd is None
+    assert str(tmp_path / "mine") in servers[2].command  # an absolute path is served as given
+    assert all(server.command[-1] == "--x" for server in servers)
