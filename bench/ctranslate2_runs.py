@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -78,6 +78,21 @@ def run_batch(translator: Any, pieces: Sequence[list[str]], beam_size: int, max_
     outputs = translate(translator, pieces, beam_size, max_decoding_length, max_batch_size, batch_type)
     elapsed = time.perf_counter() - started
     return summarise([elapsed] * len(outputs), sum(len(o) for o in outputs), elapsed), outputs
+
+
+def int8_greedy(model_dir: Path, scratch: Path, pieces: Sequence[list[str]], max_decoding_length: int,
+                settings: Ct2Settings) -> Callable[[], RunStats]:
+    """Our repository `model_dir` converted for CTranslate2 (under `scratch`) and loaded in int8
+    at `settings`: a function that times one greedy `run_batch` over `pieces`."""
+    from bench import ctranslate2_converter
+
+    translator = load_translator(ctranslate2_converter.convert(model_dir, scratch / "ctranslate2"), "int8",
+                                 threads=settings.intra_threads, inter_threads=settings.inter_threads)
+
+    def run() -> RunStats:
+        return run_batch(translator, pieces, 1, max_decoding_length, settings.max_batch_size, settings.batch_type)[0]
+
+    return run
 
 
 def run_grid(ct2_dir: Path, compute_type: str, pieces: Sequence[list[str]], max_decoding_length: int,

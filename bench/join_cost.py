@@ -126,19 +126,14 @@ CTRANSLATE2 = "CTranslate2 int8 translate_batch, one replica on one thread"
 
 def _ctranslate2(model_dir: Path, tokenizer: Any, sources: list[list[int]], rows: int,
                  max_target_len: int, scratch: Path) -> Callable[[], dict[str, float]]:
-    """A function that times CTranslate2 int8 greedy over `sources` in batches of `rows`."""
-    from bench import ctranslate2_converter, ctranslate2_runs
+    """A function that times CTranslate2 int8 greedy over `sources` in batches of `rows` (one
+    replica, one thread)."""
+    from bench import ctranslate2_runs
 
-    translator = ctranslate2_runs.load_translator(
-        ctranslate2_converter.convert(model_dir, scratch / "ctranslate2"), "int8", threads=1)
     pieces = [tokenizer.pieces(ids) for ids in sources]
-
-    def run() -> dict[str, float]:
-        started = time.perf_counter()
-        ctranslate2_runs.translate(translator, pieces, 1, max_target_len, max_batch_size=rows)
-        return {"total_s": time.perf_counter() - started}
-
-    return run
+    run = ctranslate2_runs.int8_greedy(model_dir, scratch, pieces, max_target_len,
+                                       ctranslate2_runs.Ct2Settings(1, 1, rows, "examples"))
+    return lambda: {"total_s": run().elapsed_s}
 
 
 def main(argv: list[str] | None = None) -> int:

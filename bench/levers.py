@@ -131,20 +131,18 @@ def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload, o
     """A function that times one CTranslate2 int8 greedy `translate_batch` over the workload,
     at `setting` (replicas, intra threads (0: its default), batch size, batch type "examples" or
     "tokens"; by default one replica, default threads, 64 examples)."""
-    from bench import ctranslate2_converter, ctranslate2_runs
+    from bench import ctranslate2_runs
     from model.tokenizer import Tokenizer
     from service.repository.manifest import read_manifest
 
     tokenizer = Tokenizer.from_file(model_dir / "tokenizer.model")
     pieces = [tokenizer.pieces(ids) for ids in workload.source_ids]
-    limit = read_manifest(model_dir).max_target_len
-    ct2_dir = ctranslate2_converter.convert(model_dir, out_dir / "ctranslate2")
     replicas, threads, batch, batch_type = setting or (1, 0, ctranslate2_runs.MAX_BATCH_SIZE, "examples")
-    translator = ctranslate2_runs.load_translator(ct2_dir, "int8", threads=threads, inter_threads=replicas)
+    run = ctranslate2_runs.int8_greedy(model_dir, out_dir, pieces, read_manifest(model_dir).max_target_len,
+                                       ctranslate2_runs.Ct2Settings(replicas, threads, batch, batch_type))
 
     def measure_once() -> dict[str, Any]:
-        stats, _ = ctranslate2_runs.run_batch(translator, pieces, 1, limit, batch, batch_type)
-        return {**stats.to_dict(), "flags": [], "max_batch_size": batch, "batch_type": batch_type,
+        return {**run().to_dict(), "flags": [], "max_batch_size": batch, "batch_type": batch_type,
                 "replicas": replicas, "intra_threads": threads}
 
     return measure_once

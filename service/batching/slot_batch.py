@@ -128,7 +128,7 @@ class Slots(Protocol):
     @property
     def width(self) -> int: ...
     def write(self, row: int, cross: Sequence[Tensor]) -> None: ...
-    def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int) -> None: ...
+    def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int, cross: bool = True) -> None: ...
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> Slots: ...
     def step(self, session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
              source_mask: np.ndarray) -> np.ndarray: ...
@@ -347,10 +347,10 @@ class SlotBatch(Generic[Owner]):
                 if group_slots[parent] != slot:
                     sources.append(group_slots[parent])
                     targets.append(slot)
-        if sources:  # every cache column written so far: positions 0..position
+        if sources:  # every cache column written so far (positions 0..position); one source per row
             source_index = np.asarray(sources, dtype=np.int64)
             self._slots.move_rows(source_index, np.asarray(targets, dtype=np.int64),
-                                  int(self._positions[source_index].max()) + 1)
+                                  int(self._positions[source_index].max()) + 1, cross=False)
         return closed, results
 
     def step_vocab(self) -> np.ndarray | None:

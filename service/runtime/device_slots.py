@@ -243,13 +243,13 @@ class DeviceSlots:
         count, _, w, _ = shape(cross[0])
         self._pad(cross, self.cross, count, w, row)
 
-    def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int) -> None:
+    def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int, cross: bool = True) -> None:
         """Copy slots `sources` onto slots `targets` (each target once; a target may be among
         the sources: every source is read before any target is written), cache and cross
-        keys/values, in place; whole rows (`columns` is for `HostSlots`' interface: a row's
-        first columns are not contiguous in it)."""
+        keys/values (the cache only without `cross`), in place; whole rows (`columns` is for
+        `HostSlots`' interface: a row's first columns are not contiguous in it)."""
         del columns
-        buffers = [*self.cache, *self.cross]
+        buffers = [*self.cache, *self.cross] if cross else list(self.cache)
         types = tuple(b.element_type() for b in buffers)
         session = self.graphs.session(("move", types), move_graph(types))
         binding = session.io_binding()

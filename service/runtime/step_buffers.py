@@ -141,12 +141,13 @@ class HostSlots:
             target[row:row + count, :, :w] = to_numpy(new)
             target[row:row + count, :, w:] = 0
 
-    def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int) -> None:
+    def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int, cross: bool = True) -> None:
         """Copy slots `sources` onto slots `targets` (each target once; a target may be among
         the sources: numpy reads every source before it writes): their first `columns` cache
-        columns and their cross keys/values."""
+        columns and, with `cross`, their cross keys/values (without: slots of one source,
+        whose cross keys/values are the same already)."""
         self.buffers.move_rows(sources, targets, columns)
-        for array in self.cross:
+        for array in self.cross if cross else ():
             array[targets] = array[sources]
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> HostSlots:

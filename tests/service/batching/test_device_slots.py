@@ -196,6 +196,15 @@ def test_writes_moves_and_resizes_match_the_host_buffers(cross_dtype: type) -> N
     device.move_rows(np.array([3, 2]), np.array([1, 0]), 6)
     host.move_rows(np.array([3, 2]), np.array([1, 0]), 6)
     _same(device, host, 4, 6, cross_dtype)
+    # beams changing parents: slots swap and one copies onto another, the cache only
+    cross_before = [value.numpy().copy() for value in device.cross]
+    cache_before = [value.numpy().copy() for value in device.cache]
+    device.move_rows(np.array([1, 0, 0]), np.array([0, 1, 2]), 6, cross=False)
+    host.move_rows(np.array([1, 0, 0]), np.array([0, 1, 2]), 6, cross=False)
+    _same(device, host, 4, 6, cross_dtype)
+    assert all((value.numpy() == before).all() for value, before in zip(device.cross, cross_before, strict=True))
+    for value, before in zip(device.cache, cache_before, strict=True):
+        assert (value.numpy()[[0, 1, 2]] == before[[1, 0, 0]]).all()
     # grow slots, columns and width, keeping 2 rows' first 5 columns; then shrink all three
     for rows, capacity, width, kept_rows, kept_columns in ((8, 12, 7, 2, 5), (2, 4, 3, 2, 4)):
         device = device.resized(rows, capacity, width, kept_rows, kept_columns)
