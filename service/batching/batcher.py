@@ -99,6 +99,7 @@ class Batcher:
         self._decoding: list[QueuedRow] = []  # the rows of the running batch (continuous batching)
         # counted when the rows in flight change (`_recount`), read per request and per event
         self._live = 0  # rows of the two not cancelled (`running`)
+        self._live_beams = 0  # the same, a beam-search row counted once per beam (`load`)
         self._longest = 0  # the longest source of `_decoding`
         self._decoding_rows = 0  # rows of the running batch `_decoding` takes (one per beam)
         self._in_flight_tokens = 0  # source tokens of the two
@@ -160,10 +161,17 @@ class Batcher:
         """Rows of the batch now generating that are not cancelled."""
         return self._live
 
+    @property
+    def load(self) -> int:
+        """Rows queued, and rows generating counted once per beam (a beam-search row is that
+        many rows of work in a step): what `BatcherPool` balances."""
+        return len(self._queue) + self._live_beams
+
     def _recount(self) -> None:
         """The figures of the rows in flight, after they changed or one was cancelled."""
         in_flight = [*self._running, *self._decoding]
         self._live = sum(1 for row in in_flight if not row.hooks.cancelled)
+        self._live_beams = sum(row.key.beam_size for row in in_flight if not row.hooks.cancelled)
         self._in_flight_tokens = sum(len(row.source) for row in in_flight)
         self._longest = max((len(row.source) for row in self._decoding), default=0)
         self._decoding_rows = sum(row.key.beam_size for row in self._decoding)

@@ -7,16 +7,16 @@ cores, keep them busy instead (`bench/results/levers` compares the worker counts
 onnxruntime sessions may be run from several threads at once, so the batchers share the
 model's sessions.
 
-A request goes whole to one batcher with room in its queue. Among those whose work (queued
-plus running rows) is within `length_slack` rows of the least, it goes to the one whose rows'
-mean source length is closest to its own (an idle batcher counts as a match). The batchers
-thus settle into bands of source length, and as output length follows source length in
-translation and summarization, each running batch holds rows of similar lengths: less source
-padding, and a shorter self-attention cache (a running batch's cache is as long as its oldest
-row's output). With `length_slack` 0 the least loaded batcher takes it. `run` calls
-(attention maps) go to the least loaded. The batchers share one admission share
-(`service.batching.admission.AdmissionShare`). `queue_depth` is published as the sum over the
-batchers, and the counters are summed (`max_batch_rows`: the largest).
+A request goes whole to one batcher with room in its queue. Among those whose work (queued rows
+plus running rows, a beam-search row once per beam: `Batcher.load`) is within `length_slack`
+rows of the least, it goes to the one whose rows' mean source length is closest to its own (an
+idle batcher counts as a match). The batchers thus settle into bands of source length, and as
+output length follows source length in translation and summarization, each running batch holds
+rows of similar lengths: less source padding, and a shorter self-attention cache (a running
+batch's cache is as long as its oldest row's output). With `length_slack` 0 the least loaded
+batcher takes it. `run` calls (attention maps) go to the least loaded. The batchers share one
+admission share (`service.batching.admission.AdmissionShare`). `queue_depth` is published as
+the sum over the batchers, and the counters are summed (`max_batch_rows`: the largest).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class BatcherPool:
         docstring); when none has room in its queue, the least loaded (which refuses them)."""
         with_room = [b for b in self.batchers if b.depth + rows <= b.limits.max_queue_size]
         candidates = with_room or self.batchers
-        loads = [b.depth + b.running for b in candidates]
+        loads = [b.load for b in candidates]
         least = min(loads)
         if source_len is None or not self.length_slack or not with_room:
             return candidates[loads.index(least)]

@@ -108,6 +108,23 @@ async def test_cancel_finds_the_batcher_that_holds_the_row() -> None:
     await pool.close(1)
 
 
+async def test_a_running_beam_row_weighs_as_many_rows_as_its_beams() -> None:
+    model = FakeModel()
+    model.gate = threading.Event()
+    pool = make_pool(model, "pool-beams", max_wait_s=0.0)
+    held = [asyncio.ensure_future(pool.submit([source(3)], 4, 5))]  # beam 4: the first batcher
+    await asyncio.sleep(0.05)
+    held.append(asyncio.ensure_future(pool.submit([source(3), source(3)], 1, 5)))  # the second
+    await asyncio.sleep(0.05)
+    assert [b.load for b in pool.batchers] == [4, 2] and [b.running for b in pool.batchers] == [1, 2]
+    held.append(asyncio.ensure_future(pool.submit([source(3)], 1, 5)))
+    await asyncio.sleep(0.01)
+    assert [b.depth for b in pool.batchers] == [0, 1]  # behind 2 rows, not behind 4 beams
+    model.gate.set()
+    await asyncio.gather(*held)
+    await pool.close(1)
+
+
 async def test_run_goes_to_an_idle_batcher() -> None:
     model = FakeModel()
     model.gate = threading.Event()
