@@ -11,14 +11,18 @@ import pytest
 from bench.levers import BASELINE, main
 
 
+def _levers(dirs: tuple[Path, Path], out: Path, *options: str) -> dict:
+    """`bench.levers` on the tiny model over 8 sentences with `options`; its results."""
+    models, data = dirs
+    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
+                 "--model", "tiny-reverse", "--sentences", "8", *options]) == 0
+    return json.loads((out / "levers.json").read_text(encoding="utf-8"))
+
+
 def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    models, data = tiny_bench_dirs
     out = tmp_path / "levers"
     variants = ["defaults (continuous batching)", "request-level (dynamic) batching"]
-    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
-                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "2",
-                 "--variants", *variants]) == 0
-    results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
+    results = _levers(tiny_bench_dirs, out, "--concurrency", "3", "--repeats", "2", "--variants", *variants)
     assert list(results["variants"]) == variants
     continuous, dynamic = (results["variants"][v] for v in variants)
     assert len(continuous["runs"]) == len(dynamic["runs"]) == 2
@@ -32,12 +36,9 @@ def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_pat
 
 def test_levers_time_ctranslate2_in_the_same_turns(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     pytest.importorskip("ctranslate2")
-    models, data = tiny_bench_dirs
     out = tmp_path / "levers"
-    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
-                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "2",
-                 "--variants", "defaults (continuous batching)", "--ctranslate2"]) == 0
-    results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
+    results = _levers(tiny_bench_dirs, out, "--concurrency", "3", "--repeats", "2",
+                      "--variants", "defaults (continuous batching)", "--ctranslate2")
     reference = results["ctranslate2"]
     assert len(reference["runs"]) == 2 and reference["sentences"] == 8 and reference["sentences_per_s"] > 0
     ratio = results["variants"]["defaults (continuous batching)"]["sentences_per_s"] / reference["sentences_per_s"]
@@ -49,10 +50,8 @@ def test_levers_time_ctranslate2_at_a_chosen_setting(tiny_bench_dirs: tuple[Path
     pytest.importorskip("ctranslate2")
     models, data = tiny_bench_dirs
     out = tmp_path / "levers"
-    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
-                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "1",
-                 "--variants", "defaults (continuous batching)", "--ctranslate2-setting", "2", "1", "16", "tokens"]) == 0
-    reference = json.loads((out / "levers.json").read_text(encoding="utf-8"))["ctranslate2"]
+    reference = _levers(tiny_bench_dirs, out, "--concurrency", "3", "--repeats", "1", "--variants",
+                        "defaults (continuous batching)", "--ctranslate2-setting", "2", "1", "16", "tokens")["ctranslate2"]
     assert (reference["replicas"], reference["intra_threads"], reference["max_batch_size"], reference["batch_type"]) == \
         (2, 1, 16, "tokens")
     assert reference["sentences"] == 8 and reference["sentences_per_s"] > 0
@@ -63,12 +62,9 @@ def test_levers_time_ctranslate2_at_a_chosen_setting(tiny_bench_dirs: tuple[Path
 
 
 def test_levers_open_loop_at_a_rate(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    models, data = tiny_bench_dirs
     out = tmp_path / "levers"
-    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
-                 "--model", "tiny-reverse", "--sentences", "8", "--rate", "10", "--duration-s", "1.5",
-                 "--repeats", "1", "--variants", "defaults (continuous batching)"]) == 0
-    results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
+    results = _levers(tiny_bench_dirs, out, "--rate", "10", "--duration-s", "1.5", "--repeats", "1",
+                      "--variants", "defaults (continuous batching)")
     run = results["variants"]["defaults (continuous batching)"]
     assert results["rate"] == 10 and run["errors"] == 0
     assert run["sentences"] == 15  # 10/s for 1.5 s, the 8 sentences cycled
@@ -78,7 +74,6 @@ def test_levers_open_loop_at_a_rate(tiny_bench_dirs: tuple[Path, Path], tmp_path
 def test_levers_run_a_baseline_checkout_in_the_same_turns(
     tiny_bench_dirs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    models, data = tiny_bench_dirs
     root = Path(__file__).resolve().parents[2]
     checkout = tmp_path / "checkout"
     for package in ("attnserve", "bench", "export", "model", "service"):
@@ -90,11 +85,9 @@ def test_levers_run_a_baseline_checkout_in_the_same_turns(
         init.write('\nimport os\nopen(os.environ["LEVERS_TEST_MARK"], "a").close()\n')
     monkeypatch.setenv("LEVERS_TEST_MARK", str(marker))
     out = tmp_path / "levers"
-    assert main(["--models", str(models), "--data-dir", str(data), "--out", str(out),
-                 "--model", "tiny-reverse", "--sentences", "8", "--concurrency", "3", "--repeats", "1",
-                 "--variants", "defaults (continuous batching)", "--baseline", str(checkout)]) == 0
+    results = _levers(tiny_bench_dirs, out, "--concurrency", "3", "--repeats", "1",
+                      "--variants", "defaults (continuous batching)", "--baseline", str(checkout))
     assert marker.exists()
-    results = json.loads((out / "levers.json").read_text(encoding="utf-8"))
     assert list(results["variants"]) == [BASELINE, "defaults (continuous batching)"]
     for run in results["variants"].values():
         assert run["errors"] == 0 and 0 < run["event_loop_cpu_s"] <= run["server_cpu_s"]
