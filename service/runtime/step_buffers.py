@@ -73,6 +73,60 @@ def cross_in_place(session: ort.InferenceSession) -> bool:
     return known
 
 
+class StepBinding:
+    """The step graph bound to the first `count` rows of host buffers: each layer's past and
+    present to the same cache buffer, the cross keys/values (and, for a graph whose
+    cross-attention reads each row's own source, their `present_cross_*` outputs) to theirs,
+    all as OrtValues over the arrays' own memory, so that onnxruntime writes in place. A step
+    (`run`) binds only its ids, positions and source mask (and `vocab`).
+
+    Kept for several steps (`reuse_logits`), the binding is made once while the rows stay the
+    same, and the logits are written into one array bound after the first step: each step then
+    returns that same array, overwritten by the next."""
+
+    def __init__(self, session: ort.InferenceSession, buffers: CacheBuffers, cross: Sequence[np.ndarray],
+                 count: int, reuse_logits: bool = False) -> None:
+        self.session = session
+        self.count = count
+        self.reuse_logits = reuse_logits
+        self.binding = session.io_binding()
+        self.binding.bind_output("logits", "cpu")  # bound first: the first output
+        self._logits: np.ndarray | None = None
+        layers = len(buffers.arrays) // 2
+        in_place = cross_in_place(session)
+        self._values: list[ort.OrtValue] = []  # what the binding reads and writes, kept alive
+        for name, array in zip(graph_io.cross_names(layers), cross, strict=True):
+            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))  # shares the memory
+            self.binding.bind_ortvalue_input(name, value)
+            if in_place:  # a graph whose cross-attention writes into the cross keys/values' buffers
+                self.binding.bind_ortvalue_output(f"present_{name}", value)
+            self._values.append(value)
+        for past, present, value in zip(graph_io.past_names(layers), graph_io.present_names(layers),
+                                        buffers.ortvalues(count), strict=True):
+            self.binding.bind_ortvalue_input(past, value)
+            self.binding.bind_ortvalue_output(present, value)  # the same buffer: written in place
+            self._values.append(value)
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, source_mask: np.ndarray,
+            vocab: np.ndarray | None = None) -> np.ndarray:
+        """One step (`run_step`'s inputs); the (count, vocab) logits."""
+        binding = self.binding
+        if vocab is not None:
+            binding.bind_cpu_input("vocab", np.ascontiguousarray(vocab, dtype=np.int64))
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
+        binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
+        self.session.run_with_iobinding(binding)
+        if self._logits is not None:
+            return self._logits
+        logits: np.ndarray = binding.get_outputs()[0].numpy()  # logits: bound first
+        if self.reuse_logits and vocab is None:  # the next steps write into an array of ours
+            self._logits = np.empty_like(logits)
+            self._values.append(ort.OrtValue.ortvalue_from_numpy(self._logits))
+            binding.bind_ortvalue_output("logits", self._values[-1])
+        return logits
+
+
 def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
              source_mask: np.ndarray, cross: list[np.ndarray], buffers: CacheBuffers,
              vocab: np.ndarray | None = None) -> np.ndarray:
@@ -82,29 +136,8 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
     positions[b]; returns the (B, vocab) logits. With `vocab` (V',) ids, for the shortlist step
     graph (`service.runtime.shortlist`): the (B, V') logits of those ids. A graph whose
     cross-attention reads each row's own source has the cross keys/values as outputs too
-    (`present_cross_*`): they are bound to the same memory as the inputs."""
-    layers = len(buffers.arrays) // 2
-    binding = session.io_binding()
-    if vocab is not None:
-        binding.bind_cpu_input("vocab", np.ascontiguousarray(vocab, dtype=np.int64))
-    binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-    binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
-    binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
-    binding.bind_output("logits", "cpu")
-    in_place = cross_in_place(session)
-    for name, array in zip(graph_io.cross_names(layers), cross, strict=True):
-        if in_place:  # a graph whose cross-attention writes into the cross keys/values' buffers
-            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))  # shares the memory
-            binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_output(f"present_{name}", value)
-        else:
-            binding.bind_cpu_input(name, np.ascontiguousarray(array))
-    for past, present, value in zip(graph_io.past_names(layers), graph_io.present_names(layers),
-                                    buffers.ortvalues(len(input_ids)), strict=True):
-        binding.bind_ortvalue_input(past, value)
-        binding.bind_ortvalue_output(present, value)  # the same buffer: written in place
-    session.run_with_iobinding(binding)
-    return binding.get_outputs()[0].numpy()  # logits: bound first
+    (`present_cross_*`): they are bound to the same memory as the inputs (`StepBinding`)."""
+    return StepBinding(session, buffers, cross, len(input_ids)).run(input_ids, positions, source_mask, vocab)
 
 
 class HostSlots:
@@ -120,6 +153,7 @@ class HostSlots:
         self.buffers = CacheBuffers(layers, rows, heads, capacity, head_dim, cache_dtype)
         # cross_key.0, cross_value.0, ...: (slots, h, S, d); the padding past a row's source is masked
         self.cross: list[np.ndarray] = [np.zeros((rows, heads, width, head_dim), dtype=cross_dtype) for _ in range(2 * layers)]
+        self._binding: StepBinding | None = None  # the step graph bound to these buffers (`step`)
 
     @property
     def rows(self) -> int:
@@ -156,6 +190,7 @@ class HostSlots:
         cross keys/values up to the narrower width (one copy). A buffer whose shape does not
         change is kept as it is (not copied)."""
         new = HostSlots.__new__(HostSlots)
+        new._binding = None
         new.buffers = self.buffers
         if (rows, capacity) != (self.rows, self.capacity):
             new.buffers = self.buffers.resized(rows, capacity, kept_rows, kept_columns)
@@ -173,7 +208,15 @@ class HostSlots:
     def step(self, session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
              source_mask: np.ndarray, vocab: np.ndarray | None = None) -> np.ndarray:
         """One step of the first B slots (`run_step`, B = len(input_ids)); the (B, vocab) logits,
-        or with `vocab` (the shortlist step graph's input) the (B, V') logits of those ids."""
+        or with `vocab` (the shortlist step graph's input) the (B, V') logits of those ids.
+        Without `vocab` the graph stays bound to the slots while B and `session` stay the same
+        (`StepBinding`), and the logits are one array that the next such step overwrites."""
         count = len(input_ids)
-        return run_step(session, input_ids, positions, source_mask, [c[:count] for c in self.cross], self.buffers,
-                        vocab)
+        if vocab is not None:
+            return run_step(session, input_ids, positions, source_mask, [c[:count] for c in self.cross],
+                            self.buffers, vocab)
+        bound = self._binding
+        if bound is None or bound.session is not session or bound.count != count:
+            bound = self._binding = StepBinding(session, self.buffers, [c[:count] for c in self.cross], count,
+                                                reuse_logits=True)
+        return bound.run(input_ids, positions, source_mask)

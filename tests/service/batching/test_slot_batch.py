@@ -147,3 +147,35 @@ def test_int8_rows_decode_as_in_the_merged_decoder_batch(tiny_model_repository, 
     agree = sum(results[i].tokens == _alone(runtime, sources[i], 12).tokens for i in range(len(sources)))
     # int8 activations are quantized per batch: a neighbour may move a close call, rarely
     assert agree >= len(sources) - 1
+
+
+def test_host_slots_keep_the_step_bound_while_the_rows_stay(tiny_runtime: ModelRuntime, sources) -> None:
+    """`HostSlots.step` binds the graph once per row count and reuses its logits array; each
+    step equals a fresh `run_step` over a copy of the same buffers, writes between steps included."""
+    from service.runtime.step_buffers import HostSlots, run_step
+
+    assert tiny_runtime.step is not None
+    runtime = tiny_runtime
+    state = runtime.encode(runtime.pad(sources[:2]))
+    cross = [t for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
+    width = state.source_mask.shape[1]
+    kept = HostSlots(runtime.n_decoder_layers, 2, runtime.n_heads, 8, runtime.head_dim, width)
+    fresh = HostSlots(runtime.n_decoder_layers, 2, runtime.n_heads, 8, runtime.head_dim, width)
+    for slots in (kept, fresh):
+        slots.write(0, cross)
+    ids = np.full((2, 1), runtime.decoder_start_id, dtype=np.int64)
+    seen = []
+    for position, count in ((0, 2), (1, 2), (2, 2), (3, 1), (4, 1)):
+        if position == 2:  # a newcomer's source written into slot 1 between two steps, in place
+            other = runtime.encode(runtime.pad([sources[5]]))
+            newcomer = [t for pair in zip(other.cross_keys, other.cross_values, strict=True) for t in pair]
+            for slots in (kept, fresh):
+                slots.write(1, newcomer)
+        positions = np.full((count, 1), position, dtype=np.int64)
+        mask = np.ones((count, width), dtype=bool)
+        logits = kept.step(runtime.step, ids[:count], positions, mask)
+        expected = run_step(runtime.step, ids[:count], positions, mask, [c[:count] for c in fresh.cross],
+                            fresh.buffers)
+        np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
+        seen.append(logits)
+    assert seen[1] is seen[2] and seen[4] is not seen[2]  # one array per row count, from its second step
