@@ -81,15 +81,18 @@ def run_batch(translator: Any, pieces: Sequence[list[str]], beam_size: int, max_
 
 
 def int8_greedy(model_dir: Path, scratch: Path, pieces: Sequence[list[str]], max_decoding_length: int,
-                settings: Ct2Settings) -> Callable[[], RunStats]:
+                settings: Ct2Settings, single: bool = False) -> Callable[[], RunStats]:
     """Our repository `model_dir` converted for CTranslate2 (under `scratch`) and loaded in int8
-    at `settings`: a function that times one greedy `run_batch` over `pieces`."""
+    at `settings`: a function that times one greedy `run_batch` over `pieces`, or with `single`
+    one sentence per call (`run_single`)."""
     from bench import ctranslate2_converter
 
     translator = load_translator(ctranslate2_converter.convert(model_dir, scratch / "ctranslate2"), "int8",
                                  threads=settings.intra_threads, inter_threads=settings.inter_threads)
 
     def run() -> RunStats:
+        if single:
+            return run_single(translator, pieces, 1, max_decoding_length)
         return run_batch(translator, pieces, 1, max_decoding_length, settings.max_batch_size, settings.batch_type)[0]
 
     return run

@@ -24,7 +24,9 @@ HTTP, validation, tokenization, responses) per request; the rest is the batch wo
 With `--ctranslate2`, CTranslate2 int8 `translate_batch` on the same weights and sentences
 (in-process, no HTTP: the reference of the throughput target) runs in the same turns, and
 the table gives each variant's throughput as a ratio of it; `--ctranslate2-setting` picks its
-replicas, threads and batches (e.g. the best point of `attnserve bench`'s grid).
+replicas, threads and batches (e.g. the best point of `attnserve bench`'s grid). At
+`--concurrency 1` (closed loop) CTranslate2 translates one sentence per call instead, and the
+ratio is of the p50 latencies (ours / its single-sentence p50: the latency target's).
 """
 
 from __future__ import annotations
@@ -127,10 +129,12 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
 
 
 def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload, out_dir: Path,
-                          setting: tuple[int, int, int, str] | None = None) -> Callable[[], dict[str, Any]]:
+                          setting: tuple[int, int, int, str] | None = None,
+                          single: bool = False) -> Callable[[], dict[str, Any]]:
     """A function that times one CTranslate2 int8 greedy `translate_batch` over the workload,
     at `setting` (replicas, intra threads (0: its default), batch size, batch type "examples" or
-    "tokens"; by default one replica, default threads, 64 examples)."""
+    "tokens"; by default one replica, default threads, 64 examples); with `single`, one sentence
+    per call."""
     from bench import ctranslate2_runs
     from model.tokenizer import Tokenizer
     from service.repository.manifest import read_manifest
@@ -139,11 +143,11 @@ def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload, o
     pieces = [tokenizer.pieces(ids) for ids in workload.source_ids]
     replicas, threads, batch, batch_type = setting or (1, 0, ctranslate2_runs.MAX_BATCH_SIZE, "examples")
     run = ctranslate2_runs.int8_greedy(model_dir, out_dir, pieces, read_manifest(model_dir).max_target_len,
-                                       ctranslate2_runs.Ct2Settings(replicas, threads, batch, batch_type))
+                                       ctranslate2_runs.Ct2Settings(replicas, threads, batch, batch_type), single)
 
     def measure_once() -> dict[str, Any]:
-        return {**run().to_dict(), "flags": [], "max_batch_size": batch, "batch_type": batch_type,
-                "replicas": replicas, "intra_threads": threads}
+        return {**run().to_dict(), "flags": [], "max_batch_size": 1 if single else batch, "batch_type": batch_type,
+                "replicas": replicas, "intra_threads": threads, "single": single}
 
     return measure_once
 
@@ -161,9 +165,15 @@ def markdown(results: dict[str, Any]) -> str:
               "| joins (batches) | vs CTranslate2 |"),
              "|---|---|---|---|---|---|---|---|---|"]
     reference = results.get("ctranslate2")
+    single = bool(reference and reference.get("single"))
+    if single:
+        lines[2] += " At concurrency 1 the last column is p50 / CTranslate2's single-sentence p50."
     for name, run in results["variants"].items():
         speeds = [r["sentences_per_s"] for r in run["runs"]]
-        ratio = f"{run['sentences_per_s'] / reference['sentences_per_s']:.2f}" if reference else "-"
+        ratio = "-"
+        if reference:
+            ratio = (f"{run['latency_p50_s'] / reference['latency_p50_s']:.2f}" if single
+                     else f"{run['sentences_per_s'] / reference['sentences_per_s']:.2f}")
         lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} "
                      f"({min(speeds):.1f}-{max(speeds):.1f}) | "
                      f"{run['latency_p50_s']:.3f} | {run['latency_p95_s']:.3f} | {run['server_cpu_s']:.1f} | "
@@ -172,9 +182,15 @@ def markdown(results: dict[str, Any]) -> str:
         speeds = [r["sentences_per_s"] for r in reference["runs"]]
         setting = (f"{reference.get('replicas', 1)} replica(s) x {reference.get('intra_threads', 0) or 'default'} "
                    f"threads, batches of {reference['max_batch_size']} {reference.get('batch_type', 'examples')}")
-        lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, {setting}) | - | "
-                     f"{reference['sentences_per_s']:.1f} "
-                     f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | 1.00 |")
+        if single:
+            setting = f"{reference.get('replicas', 1)} replica(s) x {reference.get('intra_threads', 0) or 'default'} threads"
+            lines.append(f"| CTranslate2 int8, one sentence per call (in-process, {setting}) | - | "
+                         f"{reference['sentences_per_s']:.1f} ({min(speeds):.1f}-{max(speeds):.1f}) | "
+                         f"{reference['latency_p50_s']:.3f} | {reference['latency_p95_s']:.3f} | - | - | - | 1.00 |")
+        else:
+            lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, {setting}) | - | "
+                         f"{reference['sentences_per_s']:.1f} "
+                         f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | 1.00 |")
     return "\n".join(lines) + "\n"
 
 
@@ -254,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             check=False).stdout.strip() or None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants}
     with tempfile.TemporaryDirectory(prefix="levers-") as scratch:
-        reference = (ctranslate2_reference(folder, workload, Path(scratch), setting)
+        single = args.concurrency == 1 and args.rate is None  # the latency target's reference
+        reference = (ctranslate2_reference(folder, workload, Path(scratch), setting, single)
                      if args.ctranslate2 or setting else None)
         reference_runs = _run_in_turns(args, workload, runs, reference)
     median_by = "latency_p95_s" if args.rate else "sentences_per_s"  # open loop: all keep the rate
@@ -262,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         ordered = sorted(variant_runs, key=lambda r: r[median_by])
         results["variants"][name] = {**ordered[len(ordered) // 2], "runs": variant_runs}
     if reference_runs:
-        ordered = sorted(reference_runs, key=lambda r: r["sentences_per_s"])
+        ordered = sorted(reference_runs, key=lambda r: r["latency_p50_s"] if r["single"] else r["sentences_per_s"])
         results["ctranslate2"] = {**ordered[len(ordered) // 2], "runs": reference_runs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "levers.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

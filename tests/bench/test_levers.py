@@ -93,3 +93,17 @@ def test_levers_run_a_baseline_checkout_in_the_same_turns(
         assert run["errors"] == 0 and 0 < run["event_loop_cpu_s"] <= run["server_cpu_s"]
         assert run["event_loop_ms_per_request"] > 0
     assert f"| {BASELINE} | `-` |" in (out / "levers.md").read_text(encoding="utf-8")
+
+
+def test_at_concurrency_1_ctranslate2_translates_one_sentence_per_call(tiny_bench_dirs: tuple[Path, Path],
+                                                                       tmp_path: Path) -> None:
+    pytest.importorskip("ctranslate2")
+    out = tmp_path / "levers"
+    results = _levers(tiny_bench_dirs, out, "--concurrency", "1", "--repeats", "1",
+                      "--variants", "defaults (continuous batching)", "--ctranslate2-setting", "1", "1", "16", "examples")
+    reference = results["ctranslate2"]
+    assert reference["single"] and reference["max_batch_size"] == 1 and reference["latency_p50_s"] > 0
+    ours = results["variants"]["defaults (continuous batching)"]
+    table = (out / "levers.md").read_text(encoding="utf-8")
+    assert "one sentence per call" in table and "p50 / CTranslate2's single-sentence p50" in table
+    assert f"| {ours['latency_p50_s'] / reference['latency_p50_s']:.2f} |" in table
