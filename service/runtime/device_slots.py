@@ -180,6 +180,8 @@ class DeviceSlots:
         self.cache_type, self.cross_type = cache_type, cross_type
         self.cache = self._allocate((rows, heads, capacity, head_dim), cache_type)  # key.0, value.0, key.1, ...
         self.cross = self._allocate((rows, heads, width, head_dim), cross_type)  # cross_key.0, cross_value.0, ...
+        # the step graph bound to the buffers for a row count (`step`): (session, rows, binding)
+        self._bound: tuple[ort.InferenceSession, int, ort.IOBinding] | None = None
         if zeroed:
             self._zero(self.cache)
             self._zero(self.cross)
@@ -285,12 +287,22 @@ class DeviceSlots:
         """One step of the first B slots (`step_buffers.run_step`'s inputs, B = len(input_ids)):
         past and present bound to the same (B, h, capacity, d) views of the cache buffers,
         cross keys/values to (B, h, width, d) views (and the graph's `present_cross_*` outputs, when
-        it has them, to the same views); returns the (B, vocab) logits (float32)."""
+        it has them, to the same views); returns the (B, vocab) logits (float32). The buffers'
+        binding is kept while B and `session` stay the same: a step binds its ids, positions and
+        mask only."""
         count = len(input_ids)
-        binding = session.io_binding()
+        if self._bound is None or self._bound[0] is not session or self._bound[1] != count:
+            self._bound = (session, count, self._bind(session, count))
+        binding = self._bound[2]
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
         binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
+        session.run_with_iobinding(binding)
+        return np.asarray(binding.get_outputs()[0].numpy(), dtype=np.float32)  # logits: bound first
+
+    def _bind(self, session: ort.InferenceSession, count: int) -> ort.IOBinding:
+        """An IO binding of the step graph to views of the first `count` slots of the buffers."""
+        binding = session.io_binding()
         binding.bind_output("logits", "cpu")  # first: read back as the first output
         in_place = cross_in_place(session)
         for name, value in zip(graph_io.cross_names(self.layers), self.cross, strict=True):
@@ -303,8 +315,7 @@ class DeviceSlots:
             view = [count, *value.shape()[1:]]
             self.graphs.bind_view(binding, past, value, view)
             self.graphs.bind_view(binding, present, value, view, output=True)  # the same memory: in place
-        session.run_with_iobinding(binding)
-        return np.asarray(binding.get_outputs()[0].numpy(), dtype=np.float32)  # logits: bound first
+        return binding
 
 
 def _element_type(tensor: Tensor) -> int:
