@@ -76,10 +76,9 @@ class Stepper:
             with self._inbox_lock:
                 joiners, self._inbox = self._inbox, []
             if joiners:
-                beams = [row.key.beam_size for row in joiners]
                 batch.concatenate([row.source for row in joiners], joiners,
                                   [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners],
-                                  beam_sizes=beams if max(beams) > 1 else None)
+                                  beam_sizes=[row.key.beam_size for row in joiners])
                 metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
             if not len(batch) or self._interrupt.is_set():
                 return

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,6 +13,15 @@ from tests.service.conftest import AppFactory, serving, wait_until_settled
 from tests.service.fakes import FakeLoader, FakeModel
 
 pytestmark = pytest.mark.anyio
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll `condition` until it holds (fails after `timeout_s`)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
 
 
 def assert_error(response: Any, status: int, error_type: str) -> dict[str, str]:
@@ -176,16 +187,22 @@ async def test_same_output_alone_and_in_a_mixed_batch(
 async def test_a_full_queue_answers_429_with_retry_after(
     make_app: AppFactory, fake_model: FakeModel
 ) -> None:
-    fake_model.delay_s = 0.3
     app = make_app(max_queue_size=2, max_texts=2, max_batch_size=1, retry_after_s=2)
     async with serving(app) as client:
+        fake_model.gate = threading.Event()  # the first batch holds the worker until the gate opens
+        started = len(fake_model.batches)
         running = asyncio.ensure_future(client.post("/v1/translate", json={"text": "first"}))
-        await asyncio.sleep(0.1)  # first is in the worker, the queue is empty
+        await _until(lambda: len(fake_model.batches) > started)  # first is in the worker, the queue is empty
         queued = asyncio.ensure_future(
             client.post("/v1/translate", json={"texts": ["second", "third"]}))
-        await asyncio.sleep(0.05)
+        full = 'attnserve_queue_depth{model="translate-en-it"} 2.0'
+        for _ in range(2000):  # second and third fill the queue
+            if full in (await client.get("/metrics")).text:
+                break
+            await asyncio.sleep(0.005)
         refused = await client.post("/v1/translate", json={"text": "fourth"})
         exposition = (await client.get("/metrics")).text
+        fake_model.gate.set()
         assert (await running).status_code == 200
         assert (await queued).status_code == 200
     assert_error(refused, 429, "overloaded")
