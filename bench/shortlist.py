@@ -52,7 +52,7 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     least); the mean shortlist size over the steps that used one."""
     from service.batching.slot_batch import SlotBatch
 
-    batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=rows, shortlist=shortlist)
+    batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=rows, shortlist_rows=rows if shortlist else 0)
     outputs: list[list[int]] = [[] for _ in sources]
     steps_s = steps_cpu = 0.0
     steps = 0

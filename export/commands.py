@@ -1,4 +1,5 @@
-"""Subcommands of `attnserve` provided by `export/`: export, import-hf, check-parity, add-step-graph."""
+"""Subcommands of `attnserve` provided by `export/`: export, import-hf, check-parity, add-step-graph,
+add-shortlist."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_import_hf(subcommands)
     _register_check_parity(subcommands)
     _register_add_step_graph(subcommands)
+    _register_add_shortlist(subcommands)
 
 
 def _register_export(subcommands: argparse._SubParsersAction) -> None:
@@ -251,4 +253,45 @@ def _add_step_graph(args: argparse.Namespace) -> int:
     print(json.dumps({"model": manifest.name, "step_decoder": manifest.variants["fp16"].step_decoder,
                       "size_mb": manifest.exporter.get("size_mb"),
                       "step_graph_agreement": manifest.exporter["step_graph_agreement"]["fp16"]}, indent=2))
+    return 0
+
+
+def _register_add_shortlist(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser(
+        "add-shortlist", help="give a model repository's int8 variant a vocabulary shortlist",
+        description="Build the lexical table (per source piece its K target pieces of highest association "
+        "over the training pairs, plus the N most frequent target pieces) and the step graph whose output "
+        "projection computes only a batch's shortlist, its weights shared with the variant's weights.bin; "
+        "measure its cost on the test split, each sentence decoded alone, and record both in the manifest. "
+        "Continuous batching then uses it for steps of at most ATTNSERVE_SHORTLIST_ROWS rows. Refused, the "
+        "repository left unchanged, when a quality metric drops more than --max-drop points.",
+    )
+    p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
+    p.add_argument("--data-dir", required=True, help="the task's data folder ({train,test}.{src,tgt})")
+    p.add_argument("-k", type=int, default=10, help="candidates per source piece (default 10)")
+    p.add_argument("-n", type=int, default=500, help="most frequent target pieces in every shortlist (default 500)")
+    p.add_argument("--score", choices=("dice", "lift"), default="dice")
+    p.add_argument("--rows", type=int, default=None, help="test rows the cost is measured on (default: all)")
+    p.add_argument("--max-drop", type=float, default=0.1, help="largest drop of a quality metric, points")
+    p.add_argument("--max-size-mb", type=float, default=60.0, help="size budget of the repository; 0 = none")
+    p.add_argument("--threads", type=int, default=0, help="onnxruntime threads (0: default)")
+    p.set_defaults(func=_add_shortlist)
+
+
+def _add_shortlist(args: argparse.Namespace) -> int:
+    from export.shortlist import ShortlistTooCostly, add_shortlist
+    from service.repository.manifest import ManifestError
+    from service.runtime import ModelLoadError
+
+    try:
+        entry = add_shortlist(args.model_dir, args.data_dir, k=args.k, frequent=args.n, score=args.score,
+                              rows=args.rows, max_drop=args.max_drop, max_size_mb=args.max_size_mb or None,
+                              threads=args.threads)
+    except ShortlistTooCostly as error:
+        logger.error("the shortlist is not added: %s", error)
+        return 1
+    except (ManifestError, ModelLoadError, ValueError, FileNotFoundError) as error:
+        logger.error("cannot add a shortlist to %s: %s", args.model_dir, error)
+        return 2
+    print(json.dumps(entry, indent=2))
     return 0

@@ -100,7 +100,7 @@ def _copy_tokenizer(files: str | Path | VocabFiles, staging: Path) -> dict[str, 
     return {"tokenizer": "", "tokenizer_kind": "sentencepiece_vocab", "tokenizer_files": dict(VOCAB_TOKENIZER_FILES)}
 
 
-def _size_mb(directory: Path) -> float:
+def repository_size_mb(directory: Path) -> float:
     return sum((directory / f).stat().st_size for f in repository_files(directory)) / 2**20
 
 
@@ -233,14 +233,14 @@ def _build(
     # 4. size budget: give up variants (fp16 first), never fp32
     if max_size_mb is not None:
         _fit(staging, manifest, max_size_mb)
-    manifest.exporter["size_mb"] = round(_size_mb(staging), 1)
+    manifest.exporter["size_mb"] = round(repository_size_mb(staging), 1)
     write_manifest(staging, manifest)
     return manifest
 
 
 def _fit(directory: Path, manifest: Manifest, max_size_mb: float) -> None:
     for precision in DROP_ORDER:
-        size = _size_mb(directory)
+        size = repository_size_mb(directory)
         if size <= max_size_mb:
             return
         if precision in manifest.variants:
@@ -260,7 +260,7 @@ def _fit(directory: Path, manifest: Manifest, max_size_mb: float) -> None:
                 "reason": f"repository over {max_size_mb:g} MB", "size_mb": round(variant_mb, 1),
                 "quality": variant.quality, "would_be_servable": variant.servable,
             }
-    size = _size_mb(directory)
+    size = repository_size_mb(directory)
     if size > max_size_mb:
         raise RepositoryTooLarge(f"{directory}: {size:.1f} MB with fp32 only, over {max_size_mb:g} MB")
 
@@ -312,7 +312,7 @@ def add_step_graph(
             sources, label = parity_sources(config.vocab_size, config.eos_id), "synthetic"
         manifest.exporter.setdefault("step_graph_agreement", {})[precision] = step_agreement(
             reference, runtime, sources, min(max_new_tokens, config.max_target_len), label)
-        size = _size_mb(directory)
+        size = repository_size_mb(directory)
         if max_size_mb is not None and size > max_size_mb:
             raise RepositoryTooLarge(f"{directory}: {size:.1f} MB with the {precision} step graph, "
                                      f"over {max_size_mb:g} MB")

@@ -20,26 +20,43 @@ original logits.
     python -m export.shortlist table --model models/translate-en-it --data-dir DATA --out table.npz -k 20 -n 500
     python -m export.shortlist graph --step models/translate-en-it/int8/decoder_step.onnx --out DIR/decoder_step_shortlist.onnx
     python -m export.shortlist coverage --model models/translate-en-it --data-dir DATA --table table.npz
+
+`add_shortlist` (`attnserve add-shortlist`) puts both into a model repository for its int8
+variant: the table beside the tokenizer, the graph beside the variant's step graph, sharing its
+`weights.bin` (only the projection's weight stored by vocabulary row is added); it measures the
+cost on the test split with each sentence decoded alone (a row's own shortlist, the smallest a
+step uses) and refuses a shortlist that costs more than `MAX_SHORTLIST_DROP` points on any metric.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import time
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from export.quality import METRICS
+from export.repository import MAX_SIZE_MB, repository_size_mb
+from export.storage import WEIGHTS_FILE, add_graphs, load_graph
+from model.evaluation import rouge_scores, translation_scores
 from model.run_config import read_split
 from model.tokenizer import Tokenizer
+from service.repository.manifest import MANIFEST_FILE, read_manifest, verify_files, write_manifest
+from service.runtime import CPU, ModelRuntime
 from service.runtime.shortlist import ShortlistTable
+
+log = logging.getLogger(__name__)
 
 SHORTLIST_STEP_FILE = "decoder_step_shortlist.onnx"
 SHORTLIST_TABLE_FILE = "shortlist.npz"
+MAX_SHORTLIST_DROP = 0.1  # points on any quality metric a served shortlist may cost (one sentence at a time)
 SCORES = ("dice", "lift")  # dice: 2 c(s,t) / (c(s) + c(t)); lift: c(s,t) / c(s) - c(t) / pairs
 CHUNK = 20_000  # pairs counted per batch of pair codes
 
@@ -226,6 +243,113 @@ def write_shortlist_step(step: str | Path, out: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(graph, str(out))
     return out
+
+
+class ShortlistTooCostly(ValueError):
+    """The shortlist costs more than the bound on the test split."""
+
+
+def decode_alone(runtime: ModelRuntime, sources: Sequence[Sequence[int]], shortlist: bool) -> list[list[int]]:
+    """Each source's greedy tokens decoded alone through a `SlotBatch` of one row, over the
+    runtime's shortlist (its own candidates and `always`) or the whole vocabulary."""
+    from service.batching.slot_batch import SlotBatch
+
+    outputs: list[list[int]] = []
+    for source in sources:
+        batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=1, shortlist_rows=1 if shortlist else 0)
+        batch.concatenate([list(source)], [0], [runtime.max_target_len])
+        finished: list[tuple[int, Any]] = []
+        while not finished:
+            finished = batch.generate_token()
+        outputs.append(finished[0][1].tokens)
+    return outputs
+
+
+def shortlist_quality(runtime: ModelRuntime, data_dir: str | Path, rows: int | None,
+                      split: str = "test") -> dict[str, Any]:
+    """The task's metrics of greedy outputs on the first `rows` of `split` (all: None), each
+    sentence decoded alone with the whole vocabulary and with its shortlist; the share of
+    identical outputs, the mean shortlist and each pass's seconds."""
+    assert runtime.shortlist is not None
+    texts, references = read_split(data_dir, split)
+    texts, references = texts[:rows], references[:rows]
+    keep, eos = runtime.max_source_len - 1, runtime.eos_id
+    sources = [ids[:keep] + [eos] for ids in runtime.tokenizer.encode_batch(texts)]
+    score = translation_scores if runtime.task == "translate" else rouge_scores
+    report: dict[str, Any] = {"split": split, "rows": len(sources), "decoding": "greedy, one sentence at a time"}
+    outputs = {}
+    for name in ("full", "shortlist"):
+        started = time.perf_counter()
+        outputs[name] = decode_alone(runtime, sources, name == "shortlist")
+        report[f"{name}_seconds"] = round(time.perf_counter() - started, 1)
+        report[name] = dict(score([runtime.tokenizer.decode(t) for t in outputs[name]], references))
+    report["identical"] = round(sum(a == b for a, b in zip(outputs["full"], outputs["shortlist"], strict=True))
+                                / max(len(sources), 1), 4)
+    report["mean_shortlist"] = round(float(np.mean([len(runtime.shortlist.table.shortlist([s])) for s in sources]))
+                                     if sources else 0.0, 1)
+    return report
+
+
+def add_shortlist(directory: str | Path, data_dir: str | Path, *, precision: str = "int8", k: int = 10,
+                  frequent: int = 500, score: str = "dice", rows: int | None = None,
+                  max_drop: float | None = MAX_SHORTLIST_DROP, max_size_mb: float | None = MAX_SIZE_MB,
+                  threads: int = 0) -> dict[str, Any]:
+    """Give the `precision` variant of the repository `directory` a vocabulary shortlist: the
+    table from `data_dir`'s training pairs (tokenized by the repository's tokenizer) written as
+    `shortlist.npz`, and `shortlist_step_graph` of the variant's step graph written beside it,
+    its weights shared with the variant's `weights.bin`; the cost measured on the first `rows`
+    test rows (`shortlist_quality`) and recorded with them as the variant's `shortlist`. Refused
+    (the repository left as it was) when the variant has no step graph or has a shortlist
+    already, when a metric drops more than `max_drop` points, or when the repository grows over
+    `max_size_mb`. Returns the manifest's new `shortlist` entry."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest)
+    variant = manifest.variant(precision)
+    if not variant.step_decoder:
+        raise ValueError(f"{directory}: the {precision} variant has no step graph")
+    if variant.shortlist:
+        raise ValueError(f"{directory}: the {precision} variant has a shortlist already "
+                         f"({variant.shortlist['step_decoder']})")
+    step = PurePosixPath(variant.step_decoder)
+    graph_name = str(step.parent / SHORTLIST_STEP_FILE) if step.parent.parts else SHORTLIST_STEP_FILE
+    weights = directory / step.parent / WEIGHTS_FILE
+    manifest_text = (directory / MANIFEST_FILE).read_bytes()
+    weights_size = weights.stat().st_size if weights.exists() else None
+    tokenizer = Tokenizer.from_file(directory / manifest.tokenizer)
+    sources, targets = read_split(data_dir, "train")
+    table = table_from_ids(tokenizer.encode_batch(sources), tokenizer.encode_batch(targets), tokenizer.vocab_size,
+                           k, frequent, [tokenizer.eos_id, tokenizer.unk_id], score)
+    try:
+        save_table(table, directory / SHORTLIST_TABLE_FILE)
+        add_graphs(directory / step.parent, {SHORTLIST_STEP_FILE: shortlist_step_graph(load_graph(directory / step))})
+        entry: dict[str, Any] = {"step_decoder": graph_name, "table": SHORTLIST_TABLE_FILE, "score": score,
+                                 "k": k, "n": frequent, "train_pairs": len(sources)}
+        variant.shortlist = entry
+        write_manifest(directory, manifest)
+        runtime = ModelRuntime.load(directory, [CPU], threads=threads, variant=precision, step_graph=True,
+                                    shortlist=True)
+        entry["quality"] = quality = shortlist_quality(runtime, data_dir, rows)
+        drops = {m: round(quality["full"][m] - quality["shortlist"][m], 2) for m in METRICS[manifest.task]}
+        if max_drop is not None and max(drops.values()) > max_drop:
+            raise ShortlistTooCostly(f"the shortlist costs {drops} points (bound {max_drop})")
+        size = repository_size_mb(directory)
+        if max_size_mb is not None and size > max_size_mb:
+            raise ValueError(f"{directory}: {size:.1f} MB with the shortlist, over {max_size_mb:g} MB")
+        manifest.exporter["size_mb"] = round(size, 1)
+        write_manifest(directory, manifest)
+    except BaseException:
+        for name in (SHORTLIST_TABLE_FILE, graph_name):
+            (directory / name).unlink(missing_ok=True)
+        if weights_size is None:
+            weights.unlink(missing_ok=True)
+        else:
+            with weights.open("r+b") as file:
+                file.truncate(weights_size)
+        (directory / MANIFEST_FILE).write_bytes(manifest_text)
+        raise
+    log.info("%s: added the %s variant's vocabulary shortlist (%s)", directory, precision, entry["quality"])
+    return entry
 
 
 def _tokenized_split(model_dir: Path, data_dir: Path, split: str, rows: int | None) -> tuple[Tokenizer, list[list[int]], list[list[int]]]:

@@ -116,6 +116,21 @@ def _tiny_test_split(data_dir: Path, tokenizer_path: Path) -> tuple[Path, int]:
 
 
 @pytest.fixture(scope="session")
+def tiny_data_dir(tiny_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data folder for the tiny models: `tiny_model_repository`'s test split and a training
+    split of 400 reversal pairs (train.src/train.tgt)."""
+    from model.tokenizer import Tokenizer
+
+    data_dir, _ = _tiny_test_split(tmp_path_factory.mktemp("tiny-data") / "data", tiny_tokenizer)
+    tokenizer = Tokenizer.from_file(tiny_tokenizer)
+    texts = _tiny_texts(400, seed=2)
+    (data_dir / "train.src").write_text("\n".join(texts) + "\n", encoding="utf-8")
+    reversed_texts = [tokenizer.decode(tokenizer.encode(t)[::-1]).strip() for t in texts]
+    (data_dir / "train.tgt").write_text("\n".join(reversed_texts) + "\n", encoding="utf-8")
+    return data_dir
+
+
+@pytest.fixture(scope="session")
 def tiny_fp16_repository(trained_tiny: TrainedTiny, tiny_tokenizer: Path,
                          tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`trained_tiny` exported with the fp32 and fp16 variants (each with its step graph; quality

@@ -289,6 +289,10 @@ class BatchCounters(BaseModel):
         default=False, description="greedy rows join the running batch between decoder steps"
     )
     workers: int = Field(default=0, description="batch workers: each runs its own batches")
+    shortlist_rows: int = Field(
+        default=0, description="continuous: steps of at most this many rows compute only the "
+        "logits of the batch's vocabulary shortlist (0: every step computes the whole vocabulary)",
+    )
     batches: int = Field(description="batches run (continuous: times rows joined the running one)")
     rows: int
     max_batch_rows: int

@@ -27,12 +27,16 @@ a few bytes per row, and the step takes them from there.
 
 A vocabulary shortlist (`service.runtime.shortlist`), when the runtime has one and the slots are
 on the host: each row's candidates (its source pieces' candidates in the table) are counted in
-as it joins and out as it leaves, and a step computes only the logits of the batch's shortlist
-(the counted ids and the table's `always`, kept sorted and recomputed only after a join or a
-departure); the step's argmax maps back to a token id through it. A step with the batch's
-`scores`, or with a live row that has a forced prefix or asks for its scores, computes the whole
-vocabulary: those need the probabilities of every token (and the prefix's tokens may lie outside
-the shortlist). Device slots always compute the whole vocabulary.
+as it joins and out as it leaves, and a step of at most `shortlist_rows` live slots whose
+shortlist holds at most `shortlist_share` of the vocabulary computes only the logits of the
+batch's shortlist (the counted ids and the table's `always`, kept sorted and recomputed only
+after a join or a departure); the step's argmax maps back to a token id through it. The rule
+follows the cost: the shortlist graph gathers the projection's weights for each step, which pays
+at a few rows and a short list, not at full batches or at a third of the vocabulary
+(bench/results/shortlist). A step with the batch's `scores`,
+with a beam-search row, or with a live row that has a forced prefix or asks for its scores,
+computes the whole vocabulary: those need the probabilities of every token (and the prefix's
+tokens may lie outside the shortlist). Device slots always compute the whole vocabulary.
 
 Beam-search rows decode in the running batch too: a row of beam k takes k slots, one per beam
 (its cross keys/values written k times), and after each step its `BeamRow` (the rules of
@@ -71,6 +75,7 @@ from service.runtime.step_buffers import HostSlots
 from service.runtime.tensors import Tensor
 
 QUANTUM = 32  # cache columns and source width grow to the next multiple of this, not by doubling
+SHORTLIST_SHARE = 0.25  # a step computes a shortlist of at most this share of the vocabulary
 
 
 def _doubled(size: int, needed: int) -> int:
@@ -160,7 +165,8 @@ class SlotBatch(Generic[Owner]):
 
     def __init__(self, runtime: Runtime, padding_slack: float = 1.25, scores: bool = True,
                  rows: int = 8, capacity: int = QUANTUM, quantum: int = QUANTUM,
-                 on_device: bool | None = None, shortlist: bool = True) -> None:
+                 on_device: bool | None = None, shortlist_rows: int = 0,
+                 shortlist_share: float = SHORTLIST_SHARE) -> None:
         if runtime.step is None:
             raise ValueError("the runtime has no step graph (decoder_step.onnx): use RunningBatch")
         self.runtime = runtime
@@ -178,9 +184,11 @@ class SlotBatch(Generic[Owner]):
         self._source_mask = np.zeros((rows, 0), dtype=bool)  # (slots, S) True on real source tokens
         self._positions = np.zeros(rows, dtype=np.int64)  # (slots,) each row's cached length
         self._last = np.zeros(rows, dtype=np.int64)  # (slots,) each row's next input token
-        # the runtime's shortlist (with `shortlist` and host slots): each live row's candidates, in slot order
-        found: Shortlist | None = getattr(runtime, "shortlist", None) if shortlist and not on_device else None
+        # the runtime's shortlist (with `shortlist_rows` and host slots): each live row's candidates, in slot order
+        found: Shortlist | None = getattr(runtime, "shortlist", None) if shortlist_rows > 0 and not on_device else None
         self._shortlist = found
+        self.shortlist_rows = shortlist_rows  # the most live slots a step computes the shortlist for
+        self.shortlist_share = shortlist_share  # the largest share of the vocabulary it computes
         self._counts = ShortlistCounts(found.table) if found is not None else None
         self._candidates: list[np.ndarray] = []
 
@@ -355,14 +363,16 @@ class SlotBatch(Generic[Owner]):
 
     def step_vocab(self) -> np.ndarray | None:
         """The ids this step computes: the batch's shortlist, or None (the whole vocabulary)
-        without a shortlist, with the batch's `scores`, or while a live row has a forced prefix
-        or asks for its scores."""
-        if self._counts is None or self.scores or self._beams:
+        without a shortlist, over `shortlist_rows` live slots or `shortlist_share` of the
+        vocabulary, with the batch's `scores`, while a beam-search row decodes, or while a live
+        row has a forced prefix or asks for its scores."""
+        if self._counts is None or self.scores or self._beams or len(self._members) > self.shortlist_rows:
             return None
         if any(member.prefix or member.token_scores is not None for member in self._members
                if isinstance(member, Member)):
             return None
-        return self._counts.vocab
+        vocab = self._counts.vocab
+        return vocab if len(vocab) <= self.shortlist_share * self._counts.table.vocab_size else None
 
     def filter(self, owners: Collection[Owner]) -> list[Owner]:
         """Keep only the rows of `owners`; the others leave at once (the last live rows move

@@ -56,6 +56,7 @@ def onnx_loader(settings: Settings) -> Loader:
             path, providers=list(settings.providers), threads=settings.session_threads(),
             variant=settings.variant, spinning=settings.spinning,
             memory_arena=settings.cpu_memory_arena,
+            shortlist=settings.continuous_batching and settings.shortlist_rows > 0,
         )
         return runtime
 
@@ -76,14 +77,16 @@ def onnx_generator(settings: Settings) -> GeneratorFactory:
 
 def onnx_running_batch(settings: Settings) -> RunningBatchFactory:
     """Continuous batching over each runtime, scored as in `onnx_generator`: on its step graph
-    (`service.batching.slot_batch.SlotBatch`) when it has one, else on the merged decoder
+    (`service.batching.slot_batch.SlotBatch`, its steps of at most `shortlist_rows` rows over
+    the runtime's vocabulary shortlist when it has one) when it has one, else on the merged decoder
     (`service.batching.running_batch.RunningBatch`)."""
     from service.batching.running_batch import RunningBatch
     from service.batching.slot_batch import SlotBatch
 
     def bind(runtime: Runtime) -> Callable[[], InFlightBatch[Any]]:
         if getattr(runtime, "step", None) is not None:
-            return functools.partial(SlotBatch, runtime, scores=settings.greedy_scores)  # type: ignore[arg-type]
+            return functools.partial(SlotBatch, runtime, scores=settings.greedy_scores,  # type: ignore[arg-type]
+                                     shortlist_rows=settings.shortlist_rows)
         return functools.partial(RunningBatch, runtime, scores=settings.greedy_scores)  # type: ignore[arg-type]
 
     return bind

@@ -86,6 +86,12 @@ class Settings(BaseSettings):
         "(scaled inversely with the batch's rows), since every row's cache is as long as the "
         "oldest row's (0 = any age)",
     )
+    shortlist_rows: int = Field(
+        default=8, ge=0, description="continuous, on the CPU: a decoder step of at most this "
+        "many rows computes only the logits of the batch's vocabulary shortlist (while it holds "
+        "at most a quarter of the vocabulary), when the model's repository has one "
+        "(`attnserve add-shortlist`); 0 = always the whole vocabulary",
+    )
     greedy_scores: bool = Field(
         default=False, description="sum every greedy result's log-probability (it costs a "
         "log-softmax over the vocabulary every step; rows asking for `return_scores` are scored "

@@ -59,6 +59,9 @@ class HashMismatch(ManifestError):
         self.path, self.expected, self.actual = path, expected, actual
 
 
+SHORTLIST_FILES = ("step_decoder", "table")  # the files a variant's `shortlist` names
+
+
 @dataclass
 class Variant:
     """One runnable pair of graphs (fp32 at the repository root, others in sub-folders)."""
@@ -73,6 +76,15 @@ class Variant:
     # the decoder step over each row's own cache (`export.step_graph`) for continuous
     # batching; "" when the variant has none (the running batch then uses `decoder`)
     step_decoder: str = ""
+    # a vocabulary shortlist for that step graph (`export.shortlist`), or None: "step_decoder"
+    # (the step graph with the `vocab` input), "table" (the lexical table), how the table was
+    # built ("score", "k", "n") and its measured cost ("quality")
+    shortlist: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shortlist is not None and not all(isinstance(self.shortlist.get(key), str) and self.shortlist[key]
+                                                  for key in SHORTLIST_FILES):
+            raise ValueError(f"a variant's shortlist must name its {' and '.join(SHORTLIST_FILES)}")
 
 
 @dataclass
@@ -199,6 +211,8 @@ def verify_files(directory: str | Path, manifest: Manifest) -> None:
         referenced.update((variant.encoder, variant.decoder))
         if variant.step_decoder:
             referenced.add(variant.step_decoder)
+        if variant.shortlist:
+            referenced.update((variant.shortlist["step_decoder"], variant.shortlist["table"]))
     for name in sorted(referenced | set(manifest.files)):
         relative = PurePosixPath(name)
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:

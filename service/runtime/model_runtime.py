@@ -108,6 +108,7 @@ class ModelRuntime:
         variant: str | None = None,
         io_binding: bool | None = None,
         step_graph: bool | None = None,
+        shortlist: bool = False,
     ) -> ModelRuntime:
         """Read the manifest, verify every file's sha256, pick provider and variant, build sessions.
 
@@ -122,6 +123,8 @@ class ModelRuntime:
         the session's device between decoder steps; None: `AUTO_IO_BINDING` of the provider.
         `step_graph` False serves without the variant's step graph, True with it on any
         provider; None: with it when its cache type is one of `STEP_CACHE_TYPES` of the provider.
+        `shortlist` loads the variant's vocabulary shortlist (`service.runtime.shortlist`) when it
+        has one and its step graph serves on the CPU (`SlotBatch` uses it with host slots only).
         """
         started = time.perf_counter()
         directory = Path(model_dir)
@@ -167,6 +170,9 @@ class ModelRuntime:
             runtime = cls(manifest.name, manifest.task, manifest, tokenizer, provider, chosen, encoder, decoder,
                           bind, device, device_id, gather, step)
             runtime._check_cache_dtype()
+            if shortlist and step is not None and provider == CPU and manifest.variants[chosen].shortlist:
+                runtime.shortlist = _load_shortlist(directory, manifest.variants[chosen], manifest.config.vocab_size,
+                                                    threads, spinning, memory_arena)
             logger.info("loaded %s (%s, variant %s, %s, %s) in %.2fs", manifest.name, manifest.task, chosen,
                         provider, f"IO binding on {device}" if bind else "numpy I/O",
                         time.perf_counter() - started)
@@ -432,6 +438,20 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
                 continue
             raise ModelLoadError(f"{directory / path}: onnxruntime cannot load it: {error}") from error
     return sessions[0], sessions[1], sessions[2] if len(sessions) > 2 else None
+
+
+def _load_shortlist(directory: Path, variant: Variant, vocab_size: int, threads: int, spinning: bool,
+                    memory_arena: bool) -> Shortlist:
+    """The variant's shortlist step graph (a CPU session, as the other int8 sessions) and table."""
+    assert variant.shortlist is not None
+    graph, table = (directory / variant.shortlist[key] for key in ("step_decoder", "table"))
+    try:
+        loaded = Shortlist.load(graph, table, threads, spinning, memory_arena)
+    except Exception as error:  # onnxruntime's own types, or the table's ValueError
+        raise ModelLoadError(f"{graph}: the vocabulary shortlist cannot load: {error}") from error
+    if loaded.table.vocab_size != vocab_size:
+        raise ModelLoadError(f"{table}: a table of {loaded.table.vocab_size} pieces for a vocabulary of {vocab_size}")
+    return loaded
 
 
 def _usable_step(name: str, step: ort.InferenceSession | None, provider: str,

@@ -209,14 +209,11 @@ class HostSlots:
              source_mask: np.ndarray, vocab: np.ndarray | None = None) -> np.ndarray:
         """One step of the first B slots (`run_step`, B = len(input_ids)); the (B, vocab) logits,
         or with `vocab` (the shortlist step graph's input) the (B, V') logits of those ids.
-        Without `vocab` the graph stays bound to the slots while B and `session` stay the same
-        (`StepBinding`), and the logits are one array that the next such step overwrites."""
+        The graph stays bound to the slots while B and `session` stay the same (`StepBinding`);
+        without `vocab` the logits are one array that the next such step overwrites."""
         count = len(input_ids)
-        if vocab is not None:
-            return run_step(session, input_ids, positions, source_mask, [c[:count] for c in self.cross],
-                            self.buffers, vocab)
         bound = self._binding
         if bound is None or bound.session is not session or bound.count != count:
             bound = self._binding = StepBinding(session, self.buffers, [c[:count] for c in self.cross], count,
                                                 reuse_logits=True)
-        return bound.run(input_ids, positions, source_mask)
+        return bound.run(input_ids, positions, source_mask, vocab)

@@ -109,3 +109,60 @@ def test_the_most_frequent_target_pieces_are_always_in() -> None:
     table = table_from_ids(sources, targets, 12, k=1, frequent=2, specials=[EOS])
     assert table.always.tolist() == [EOS, 7, 9]  # 7 three times, 9 twice
     assert table.shortlist([[6]]).tolist() == [EOS, 7, 9]  # 6's best partner: 9 (dice 1.0 over two pairs)
+
+
+def _contents(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_add_shortlist_ships_the_table_and_graph_and_changes_no_other_file(tiny_model_repository, tiny_data_dir,
+                                                                           tmp_path, capsys) -> None:
+    import json
+    import shutil
+
+    from attnserve.cli import main
+    from service.repository.manifest import verify_files
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny_model_repository, copy)
+    before = _contents(copy)
+    assert main(["add-shortlist", "--model-dir", str(copy), "--data-dir", str(tiny_data_dir), "-k", "3", "-n", "0",
+                 "--threads", "1", "--max-drop", "100"]) == 0
+    entry = json.loads(capsys.readouterr().out)
+    manifest = read_manifest(copy)
+    verify_files(copy, manifest)
+    assert manifest.variants["int8"].shortlist == entry
+    assert entry["step_decoder"] == "int8/decoder_step_shortlist.onnx" and entry["table"] == "shortlist.npz"
+    assert entry["k"] == 3 and entry["n"] == 0 and entry["train_pairs"] == 400
+    quality = entry["quality"]
+    assert quality["rows"] == 40 and set(quality["full"]) == set(quality["shortlist"]) == {"bleu", "chrf"}
+    after = _contents(copy)
+    new = {"shortlist.npz", "int8/decoder_step_shortlist.onnx"}
+    assert set(after) == set(before) | new
+    for name, data in before.items():
+        if name == "int8/weights.bin":  # the projection by vocabulary row appended, the rest kept
+            assert after[name][:len(data)] == data and len(after[name]) > len(data)
+        elif name != "manifest.json":
+            assert after[name] == data, name
+    # the graph opens with plain onnxruntime; the runtime loads it only when asked
+    assert "vocab" in [i.name for i in _session(copy / entry["step_decoder"]).get_inputs()]
+    assert ModelRuntime.load(copy, [CPU], threads=1, variant="int8").shortlist is None
+    runtime = ModelRuntime.load(copy, [CPU], threads=1, variant="int8", shortlist=True)
+    assert runtime.shortlist is not None and runtime.shortlist.table.vocab_size == TINY_CONFIG.vocab_size
+    # a variant that has one is refused, the repository unchanged
+    assert main(["add-shortlist", "--model-dir", str(copy), "--data-dir", str(tiny_data_dir)]) == 2
+    assert _contents(copy) == after
+
+
+def test_a_shortlist_over_the_quality_bound_leaves_the_repository_as_it_was(tiny_model_repository, tiny_data_dir,
+                                                                            tmp_path) -> None:
+    import shutil
+
+    from export.shortlist import ShortlistTooCostly, add_shortlist
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny_model_repository, copy)
+    before = _contents(copy)
+    with pytest.raises(ShortlistTooCostly):  # a bound that asks a gain of a point: none meets it
+        add_shortlist(copy, tiny_data_dir, k=1, frequent=0, max_drop=-1.0, threads=1)
+    assert _contents(copy) == before

@@ -9,7 +9,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from service.api.auth import require_api_key_for_metadata
-from service.api.routes.deps import RegistryDep
+from service.api.routes.deps import RegistryDep, SettingsDep
 from service.api.schemas import BatchCounters, ErrorBody, ModelCard, ModelList
 from service.core.registry import ModelEntry
 
@@ -17,14 +17,16 @@ router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key_for_me
 
 
 @router.get("/v1/models", responses={401: {"model": ErrorBody}})
-async def list_models(registry: RegistryDep) -> ModelList:
+async def list_models(registry: RegistryDep, settings: SettingsDep) -> ModelList:
     """The models found in the models folder, loaded or not."""
-    return ModelList(models=[_card(entry) for entry in registry.entries])
+    return ModelList(models=[_card(entry, settings.shortlist_rows) for entry in registry.entries])
 
 
-def _card(entry: ModelEntry) -> ModelCard:
+def _card(entry: ModelEntry, shortlist_rows: int) -> ModelCard:
     runtime, batcher = entry.runtime, entry.batcher
     counters = batcher.counters if batcher is not None else None
+    continuous = batcher.continuous if batcher is not None else False
+    shortlisted = continuous and getattr(runtime, "shortlist", None) is not None
     return ModelCard(
         name=entry.name,
         task=entry.task,
@@ -36,7 +38,8 @@ def _card(entry: ModelEntry) -> ModelCard:
         max_target_len=runtime.max_target_len if runtime else None,
         error=entry.error,
         batching=BatchCounters(
-            continuous=batcher.continuous if batcher is not None else False,
+            continuous=continuous,
+            shortlist_rows=shortlist_rows if shortlisted else 0,
             workers=len(batcher.batchers) if batcher is not None else 0,
             batches=counters.batches if counters else 0,
             rows=counters.rows if counters else 0,

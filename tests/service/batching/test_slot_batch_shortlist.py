@@ -14,6 +14,7 @@ from service.runtime import CPU, ModelRuntime
 from service.runtime.shortlist import Shortlist, ShortlistCounts, ShortlistTable
 
 EOS = 3
+TINY_VOCAB = 20
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,13 @@ def runtime(tiny_model_repository, tiny_shortlist) -> ModelRuntime:
 
 
 def _run(runtime: ModelRuntime, sources: list[list[int]], shortlist: bool, seed: int,
-         hooks: dict[int, RowHooks] | None = None) -> tuple[dict[int, GenerationResult], list[int | None]]:
+         hooks: dict[int, RowHooks] | None = None, shortlist_rows: int = 16, share: float = 1.0,
+         live: list[int] | None = None) -> tuple[dict[int, GenerationResult], list[int | None]]:
     """Rows join 0-3 at a time at random steps; every row's result and each step's shortlist
-    size (None: the whole vocabulary)."""
-    batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=2, shortlist=shortlist)
+    size (None: the whole vocabulary); each step's live rows appended to `live`. `share` 1.0:
+    a shortlist of any length (the tiny vocabulary is 20 pieces)."""
+    batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=2, shortlist_rows=shortlist_rows if shortlist else 0,
+                                      shortlist_share=share)
     assert batch.shortlisted is shortlist
     rng = np.random.default_rng(seed)
     pending = list(range(len(sources)))
@@ -47,6 +51,8 @@ def _run(runtime: ModelRuntime, sources: list[list[int]], shortlist: bool, seed:
                               [(hooks or {}).get(i) for i in take])
         vocab = batch.step_vocab()
         sizes.append(None if vocab is None else len(vocab))
+        if live is not None:
+            live.append(len(batch))
         results.update(batch.generate_token())
     return results, sizes
 
@@ -79,12 +85,34 @@ def test_rows_with_a_prefix_or_scores_keep_the_whole_vocabulary(runtime, sources
     assert None in sizes and any(s is not None for s in sizes)  # whole while those rows live, else the shortlist
 
 
+def test_steps_over_shortlist_rows_compute_the_whole_vocabulary(runtime, sources) -> None:
+    full, _ = _run(runtime, sources, False, 0)
+    live: list[int] = []
+    short, sizes = _run(runtime, sources, True, 0, shortlist_rows=2, live=live)
+    assert _tokens(short) == _tokens(full)
+    assert [size is None for size in sizes] == [rows > 2 for rows in live]
+    assert min(live) <= 2 < max(live)  # both kinds of step ran
+
+
+def test_a_shortlist_over_its_share_of_the_vocabulary_is_not_used(runtime, sources) -> None:
+    _, all_sizes = _run(runtime, sources, True, 0)
+    sizes = [s for s in all_sizes if s is not None]
+    share = float(np.median(sizes)) / TINY_VOCAB
+    full, _ = _run(runtime, sources, False, 0)
+    short, capped = _run(runtime, sources, True, 0, share=share)
+    assert _tokens(short) == _tokens(full)
+    assert [s is None for s in capped] == [s is None or s > share * TINY_VOCAB for s in all_sizes]
+    assert None in capped and any(s is not None for s in capped)
+
+
 def test_a_batch_with_scores_or_device_slots_computes_the_whole_vocabulary(runtime, sources) -> None:
-    scored: SlotBatch[int] = SlotBatch(runtime, scores=True)
+    scored: SlotBatch[int] = SlotBatch(runtime, scores=True, shortlist_rows=8)
     scored.concatenate(sources[:3], [0, 1, 2], [4] * 3)
     assert scored.shortlisted and scored.step_vocab() is None
-    on_device: SlotBatch[int] = SlotBatch(runtime, on_device=True)
+    on_device: SlotBatch[int] = SlotBatch(runtime, on_device=True, shortlist_rows=8)
     assert not on_device.shortlisted
+    never: SlotBatch[int] = SlotBatch(runtime, scores=False)  # shortlist_rows 0: no shortlist
+    assert not never.shortlisted
 
 
 def test_counts_follow_rows_joining_and_leaving() -> None:
