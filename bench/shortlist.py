@@ -83,11 +83,12 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     return outputs, timing
 
 
-def step_calls(runtime: Any, session: Any, vocabularies: dict[str, Any], rows: int, rounds: int,
+def step_calls(runtime: Any, shortlist: Any, vocabularies: dict[str, Any], rows: int, rounds: int,
                seed: int = 0) -> dict[str, dict[str, float]]:
     """Milliseconds per call of one decoder step of `rows` rows (source width 32, 16 cached
-    positions, random inputs): the step graph (`vocabularies` value None) and the shortlist
-    graph for each named vocabulary, one call of each per round, the order reversed every
+    positions, random inputs): the step graph (`vocabularies` value None) and the shortlist's
+    step graph for each named vocabulary (its projection columns made beforehand, once, as a
+    batch makes them per new shortlist), one call of each per round, the order reversed every
     other round; the median and the fastest call of each."""
     from service.runtime.step_buffers import CacheBuffers, run_step
 
@@ -100,13 +101,14 @@ def step_calls(runtime: Any, session: Any, vocabularies: dict[str, Any], rows: i
     buffers = CacheBuffers(layers, rows, heads, 32, head_dim)
     for array in buffers.arrays:
         array[:] = rng.standard_normal(array.shape)
+    columns = {name: None if vocab is None else shortlist.columns(vocab) for name, vocab in vocabularies.items()}
     times: dict[str, list[float]] = {name: [] for name in vocabularies}
     names = list(vocabularies)
     for turn in range(rounds + 1):
         for name in names if turn % 2 == 0 else names[::-1]:
-            vocab = vocabularies[name]
             started = time.perf_counter()
-            run_step(runtime.step if vocab is None else session, ids, positions, mask, cross, buffers, vocab)
+            run_step(runtime.step if columns[name] is None else shortlist.session, ids, positions, mask, cross,
+                     buffers, columns[name])
             if turn:  # the first round warms up
                 times[name].append(time.perf_counter() - started)
     return {name: {"median_ms": round(1000 * statistics.median(t), 3), "min_ms": round(1000 * min(t), 3),
@@ -216,10 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", nargs="*", default=[], choices=["bleu", "speed", "calls"])
     args = parser.parse_args(argv)
     from export.shortlist import (
-        SHORTLIST_STEP_FILE,
         SHORTLIST_TABLE_FILE,
         save_table,
-        write_shortlist_step,
+        write_shortlist_graphs,
     )
     from model.evaluation import translation_scores
     from model.run_config import read_split
@@ -248,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                                 memory_arena=False, variant="int8")
     assert runtime.manifest.variants["int8"].step_decoder
     with tempfile.TemporaryDirectory() as scratch:
-        graph = write_shortlist_step(args.model / runtime.manifest.variants["int8"].step_decoder,
-                                     Path(scratch) / SHORTLIST_STEP_FILE)
-        shortlist = Shortlist.load(graph, args.out / SHORTLIST_TABLE_FILE, threads=1, spinning=False,
+        graph, projection = write_shortlist_graphs(args.model / runtime.manifest.variants["int8"].step_decoder,
+                                                   Path(scratch))
+        shortlist = Shortlist.load(graph, projection, args.out / SHORTLIST_TABLE_FILE, threads=1, spinning=False,
                                    memory_arena=False)
     runtime.shortlist = shortlist
     keep, eos = runtime.max_source_len - 1, runtime.eos_id
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"shortlist of the first {args.rows} test sources": batch_vocab,
                         f"{few} random ids": np.sort(rng.choice(runtime.vocab_size, few, replace=False)).astype(np.int64)}
         results["calls"] = {"rows": args.rows, "rounds": args.calls,
-                            "variants": step_calls(runtime, shortlist.session, vocabularies, args.rows, args.calls)}
+                            "variants": step_calls(runtime, shortlist, vocabularies, args.rows, args.calls)}
         print(json.dumps(results["calls"]), flush=True)
         write()
     if "speed" not in args.skip:

@@ -1,5 +1,5 @@
 """Build a vocabulary shortlist (`service.runtime.shortlist`): the lexical table from training
-pairs, and the step graph whose output projection computes only the shortlist's columns.
+pairs, and the graphs whose output projection computes only the shortlist's columns.
 
 The table: both sides of every training pair are tokenized with the model's own SentencePiece
 model; for each source piece s and target piece t, c(s, t) counts the pairs whose source holds s
@@ -8,21 +8,22 @@ piece keeps its K target pieces of highest association score (`SCORES`), ties br
 smaller id; every shortlist also holds the N most frequent target pieces (by token count) and
 the special ids EOS and UNK.
 
-The graph: `shortlist_step_graph` rewrites a step graph (`export.step_graph`) so that every
-constant whose last axis is the vocabulary and that is read by the output projection or by the
-nodes between it and `logits` (the int8 graph's quantized weight [d, V], its per-channel zero
-points and scales [V]; the fp32 graph's weight [d, V]) goes through `Gather(constant, vocab,
-axis=-1)` first. A [d, V] weight is stored transposed, [V, d], and gathered along its first axis
-then transposed back: a Gather along the last axis copies one element at a time, which costs
-more than the columns it saves. With `vocab` holding every id in order the graph computes the
-original logits.
+The graphs: `shortlist_graphs` splits a step graph (`export.step_graph`) in two. Every constant
+whose last axis is the vocabulary and that is read by the output projection or by the nodes
+between it and `logits` (the int8 graph's quantized weight [d, V], its per-channel zero points
+and scales [V]; the fp32 graph's weight [d, V]) becomes an input of the step graph, and the
+projection graph makes those inputs from `vocab` by `Gather(constant, vocab, axis=-1)`. A
+[d, V] weight is stored transposed, [V, d], and gathered along its first axis then transposed
+back: a Gather along the last axis copies one element at a time. The projection graph runs
+when a batch's shortlist changes, the step graph at every step; with `vocab` holding every id
+in order they compute the original logits.
 
     python -m export.shortlist table --model models/translate-en-it --data-dir DATA --out table.npz -k 20 -n 500
-    python -m export.shortlist graph --step models/translate-en-it/int8/decoder_step.onnx --out DIR/decoder_step_shortlist.onnx
+    python -m export.shortlist graph --step models/translate-en-it/int8/decoder_step.onnx --out DIR
     python -m export.shortlist coverage --model models/translate-en-it --data-dir DATA --table table.npz
 
-`add_shortlist` (`attnserve add-shortlist`) puts both into a model repository for its int8
-variant: the table beside the tokenizer, the graph beside the variant's step graph, sharing its
+`add_shortlist` (`attnserve add-shortlist`) puts them into a model repository for its int8
+variant: the table beside the tokenizer, the graphs beside the variant's step graph, sharing its
 `weights.bin` (only the projection's weight stored by vocabulary row is added); it measures the
 cost on the test split with each sentence decoded alone (a row's own shortlist, the smallest a
 step uses) and refuses a shortlist that costs more than `MAX_SHORTLIST_DROP` points on any metric.
@@ -55,6 +56,7 @@ from service.runtime.shortlist import ShortlistTable
 log = logging.getLogger(__name__)
 
 SHORTLIST_STEP_FILE = "decoder_step_shortlist.onnx"
+SHORTLIST_PROJECTION_FILE = "shortlist_projection.onnx"
 SHORTLIST_TABLE_FILE = "shortlist.npz"
 MAX_SHORTLIST_DROP = 0.1  # points on any quality metric a served shortlist may cost (one sentence at a time)
 SCORES = ("dice", "lift")  # dice: 2 c(s,t) / (c(s) + c(t)); lift: c(s,t) / c(s) - c(t) / pairs
@@ -188,9 +190,15 @@ def _projection_constants(graph: onnx.GraphProto, vocab: int) -> list[tuple[onnx
     return found
 
 
-def shortlist_step_graph(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of step graph `model` with input `vocab` (V',) int64: the projection's constants
-    of last axis vocab are gathered by it, so `logits` is (B, V'), the columns `vocab`."""
+def shortlist_graphs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The shortlist's two graphs from step graph `model`: (step, projection).
+
+    projection: input `vocab` (V',) int64; an output per constant of the output projection with
+    last axis vocab (`_projection_constants`), its columns `vocab` (a [d, V] weight stored
+    [V, d], gathered by rows, then transposed back to [d, V']).
+    step: a copy of `model` reading those outputs as inputs of the same names in place of the
+    constants, so `logits` is (B, V'), the columns `vocab`. The projection runs once per new
+    shortlist, the step once per step: the gather is not paid at every step."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -200,6 +208,8 @@ def shortlist_step_graph(model: onnx.ModelProto) -> onnx.ModelProto:
         raise ValueError("`logits` has no fixed vocabulary dimension")
     gathered: dict[str, str] = {}
     nodes: list[onnx.NodeProto] = []
+    constants: list[onnx.TensorProto] = []
+    columns: list[onnx.ValueInfoProto] = []
     for node, index, name in _projection_constants(graph, vocab):
         if name not in gathered:
             init = next(i for i in graph.initializer if i.name == name)
@@ -209,40 +219,55 @@ def shortlist_step_graph(model: onnx.ModelProto) -> onnx.ModelProto:
                 # elements; a Transpose gives the projection its (d, V') back
                 rows = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(init).T),
                                                f"{name}.by_vocab")
-                graph.initializer.append(rows)
+                constants.append(rows)
                 nodes.append(helper.make_node("Gather", [rows.name, "vocab"], [f"{rows.name}.shortlist"], axis=0,
                                               name=f"shortlist_gather_{len(nodes)}"))
                 nodes.append(helper.make_node("Transpose", [f"{rows.name}.shortlist"], [gathered[name]],
                                               perm=[1, 0], name=f"shortlist_transpose_{len(nodes)}"))
+                shape: list[int | str] = [init.dims[0], "shortlist"]
             else:
+                constants.append(init)
                 nodes.append(helper.make_node("Gather", [name, "vocab"], [gathered[name]], axis=len(init.dims) - 1,
                                               name=f"shortlist_gather_{len(nodes)}"))
+                shape = [*init.dims[:-1], "shortlist"]
+            columns.append(helper.make_tensor_value_info(gathered[name], init.data_type, shape))
         node.input[index] = gathered[name]
-    # they read only initializers and the input: first in topological order
-    rest = list(graph.node)
-    del graph.node[:]
-    graph.node.extend(nodes + rest)
     used = {name for node in graph.node for name in node.input}  # a weight read only by the projection goes
     kept = [init for init in graph.initializer if init.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    graph.input.append(helper.make_tensor_value_info("vocab", TensorProto.INT64, ["shortlist"]))
+    graph.input.extend(columns)
     logits.type.tensor_type.shape.dim[-1].ClearField("dim_value")
     logits.type.tensor_type.shape.dim[-1].dim_param = "shortlist"
     del graph.value_info[:]  # shapes inferred for the full vocabulary no longer hold
     onnx.checker.check_model(out)
-    return out
+    projection = helper.make_model(
+        helper.make_graph(nodes, "shortlist_projection",
+                          [helper.make_tensor_value_info("vocab", TensorProto.INT64, ["shortlist"])],
+                          columns, [_copy(c) for c in constants]),
+        opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    onnx.checker.check_model(projection)
+    return out, projection
 
 
-def write_shortlist_step(step: str | Path, out: str | Path) -> Path:
-    """Write `shortlist_step_graph` of the step graph at `step` to `out`, its weights inline
-    (the source graph's external weights are read, the source is left unchanged)."""
+def _copy(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    copied = onnx.TensorProto()
+    copied.CopyFrom(tensor)
+    return copied
+
+
+def write_shortlist_graphs(step: str | Path, out_dir: str | Path) -> tuple[Path, Path]:
+    """Write `shortlist_graphs` of the step graph at `step` into `out_dir` (`SHORTLIST_STEP_FILE`,
+    `SHORTLIST_PROJECTION_FILE`), their weights inline (the source graph's external weights are
+    read, the source is left unchanged); returns their paths."""
     model = onnx.load(str(step), load_external_data=True)
-    graph = shortlist_step_graph(model)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(graph, str(out))
-    return out
+    graphs = shortlist_graphs(model)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = out_dir / SHORTLIST_STEP_FILE, out_dir / SHORTLIST_PROJECTION_FILE
+    for graph, path in zip(graphs, paths, strict=True):
+        onnx.save_model(graph, str(path))
+    return paths
 
 
 class ShortlistTooCostly(ValueError):
@@ -296,8 +321,8 @@ def add_shortlist(directory: str | Path, data_dir: str | Path, *, precision: str
                   threads: int = 0) -> dict[str, Any]:
     """Give the `precision` variant of the repository `directory` a vocabulary shortlist: the
     table from `data_dir`'s training pairs (tokenized by the repository's tokenizer) written as
-    `shortlist.npz`, and `shortlist_step_graph` of the variant's step graph written beside it,
-    its weights shared with the variant's `weights.bin`; the cost measured on the first `rows`
+    `shortlist.npz`, and `shortlist_graphs` of the variant's step graph written beside it, their
+    weights shared with the variant's `weights.bin`; the cost measured on the first `rows`
     test rows (`shortlist_quality`) and recorded with them as the variant's `shortlist`. Refused
     (the repository left as it was) when the variant has no step graph or has a shortlist
     already, when a metric drops more than `max_drop` points, or when the repository grows over
@@ -312,7 +337,8 @@ def add_shortlist(directory: str | Path, data_dir: str | Path, *, precision: str
         raise ValueError(f"{directory}: the {precision} variant has a shortlist already "
                          f"({variant.shortlist['step_decoder']})")
     step = PurePosixPath(variant.step_decoder)
-    graph_name = str(step.parent / SHORTLIST_STEP_FILE) if step.parent.parts else SHORTLIST_STEP_FILE
+    graph_name, projection_name = (str(step.parent / file) if step.parent.parts else file
+                                   for file in (SHORTLIST_STEP_FILE, SHORTLIST_PROJECTION_FILE))
     weights = directory / step.parent / WEIGHTS_FILE
     manifest_text = (directory / MANIFEST_FILE).read_bytes()
     weights_size = weights.stat().st_size if weights.exists() else None
@@ -322,9 +348,11 @@ def add_shortlist(directory: str | Path, data_dir: str | Path, *, precision: str
                            k, frequent, [tokenizer.eos_id, tokenizer.unk_id], score)
     try:
         save_table(table, directory / SHORTLIST_TABLE_FILE)
-        add_graphs(directory / step.parent, {SHORTLIST_STEP_FILE: shortlist_step_graph(load_graph(directory / step))})
-        entry: dict[str, Any] = {"step_decoder": graph_name, "table": SHORTLIST_TABLE_FILE, "score": score,
-                                 "k": k, "n": frequent, "train_pairs": len(sources)}
+        step_graph, projection = shortlist_graphs(load_graph(directory / step))
+        add_graphs(directory / step.parent, {SHORTLIST_STEP_FILE: step_graph, SHORTLIST_PROJECTION_FILE: projection})
+        entry: dict[str, Any] = {"step_decoder": graph_name, "projection": projection_name,
+                                 "table": SHORTLIST_TABLE_FILE, "score": score, "k": k, "n": frequent,
+                                 "train_pairs": len(sources)}
         variant.shortlist = entry
         write_manifest(directory, manifest)
         runtime = ModelRuntime.load(directory, [CPU], threads=threads, variant=precision, step_graph=True,
@@ -339,7 +367,7 @@ def add_shortlist(directory: str | Path, data_dir: str | Path, *, precision: str
         manifest.exporter["size_mb"] = round(size, 1)
         write_manifest(directory, manifest)
     except BaseException:
-        for name in (SHORTLIST_TABLE_FILE, graph_name):
+        for name in (SHORTLIST_TABLE_FILE, graph_name, projection_name):
             (directory / name).unlink(missing_ok=True)
         if weights_size is None:
             weights.unlink(missing_ok=True)
@@ -370,9 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("-k", type=int, default=20, help="candidates per source piece")
     table.add_argument("-n", type=int, default=500, help="most frequent target pieces in every shortlist")
     table.add_argument("--score", choices=SCORES, default="dice")
-    graph = commands.add_parser("graph", help="the step graph with the `vocab` input")
+    graph = commands.add_parser("graph", help="the shortlist's step and projection graphs")
     graph.add_argument("--step", type=Path, required=True)
-    graph.add_argument("--out", type=Path, required=True)
+    graph.add_argument("--out", type=Path, required=True, help="folder to write them into")
     cover = commands.add_parser("coverage", help="reference tokens held by their sources' shortlists")
     cover.add_argument("--model", type=Path, required=True)
     cover.add_argument("--data-dir", type=Path, required=True)
@@ -385,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                                [tokenizer.eos_id, tokenizer.unk_id], args.score)
         save_table(built, args.out)
     elif args.command == "graph":
-        write_shortlist_step(args.step, args.out)
+        write_shortlist_graphs(args.step, args.out)
     else:
         _, sources, references = _tokenized_split(args.model, args.data_dir, args.split, None)
         result: dict[str, Any] = coverage(ShortlistTable.load(args.table), sources, references)

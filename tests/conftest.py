@@ -169,26 +169,22 @@ def tiny_runtime(tiny_model_repository: Path):  # -> service.runtime.ModelRuntim
 
 
 @pytest.fixture(scope="session")
-def tiny_shortlist(tiny_model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def tiny_shortlist(tiny_model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     """A vocabulary shortlist for the tiny repository's int8 variant (`export.shortlist`): its step
-    graph with the `vocab` input, and a table of 2 candidates per source piece from the reversal
-    training pairs (no frequent pieces: the specials EOS and UNK only). Returns (graph, table)."""
-    from export.shortlist import (
-        SHORTLIST_STEP_FILE,
-        save_table,
-        table_from_ids,
-        write_shortlist_step,
-    )
+    graph reading the projection's columns, the projection graph making them from `vocab`, and a
+    table of 2 candidates per source piece from the reversal training pairs (no frequent pieces:
+    the specials EOS and UNK only). Returns (step graph, projection graph, table)."""
+    from export.shortlist import save_table, table_from_ids, write_shortlist_graphs
     from model.tokenizer import Tokenizer
     from service.repository.manifest import read_manifest
 
     directory = tmp_path_factory.mktemp("tiny-shortlist")
     step = read_manifest(tiny_model_repository).variants["int8"].step_decoder
     assert step
-    graph = write_shortlist_step(tiny_model_repository / step, directory / SHORTLIST_STEP_FILE)
+    graph, projection = write_shortlist_graphs(tiny_model_repository / step, directory)
     tokenizer = Tokenizer.from_file(tiny_model_repository / "tokenizer.model")
     pairs = reversal_examples(3000, seed=0)
     table = table_from_ids(pairs.sources, pairs.targets, TINY_CONFIG.vocab_size, k=2, frequent=0,
                            specials=[tokenizer.eos_id, tokenizer.unk_id])
     save_table(table, directory / "shortlist.npz")
-    return graph, directory / "shortlist.npz"
+    return graph, projection, directory / "shortlist.npz"

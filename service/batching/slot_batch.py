@@ -51,7 +51,7 @@ whole batch's scale, so its tokens may depend on its neighbours.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, cast
 
@@ -191,6 +191,9 @@ class SlotBatch(Generic[Owner]):
         self.shortlist_share = shortlist_share  # the largest share of the vocabulary it computes
         self._counts = ShortlistCounts(found.table) if found is not None else None
         self._candidates: list[np.ndarray] = []
+        # the shortlist the projection columns were made for (`ShortlistCounts.vocab`, the same
+        # array until a row joins or leaves) and the columns
+        self._columns: tuple[np.ndarray | None, Mapping[str, np.ndarray]] = (None, {})
 
     def __len__(self) -> int:
         """Slots still decoding (a beam-search row holds one per beam)."""
@@ -299,9 +302,11 @@ class SlotBatch(Generic[Owner]):
                                       self._source_mask[:live])  # (n, V)
         else:
             assert self._shortlist is not None
+            if self._columns[0] is not vocab:  # a new shortlist: its projection columns, made once
+                self._columns = (vocab, self._shortlist.columns(vocab))
             logits = cast(HostSlots, self._slots).step(self._shortlist.session, self._last[:live, None],
                                                        self._positions[:live, None], self._source_mask[:live],
-                                                       vocab)  # (n, V')
+                                                       self._columns[1])  # (n, V')
         # the greedy rows (None: a beam's slot, chosen by its `BeamRow` below)
         greedy: Sequence[Member[Owner] | None] = (
             cast(list[Member[Owner]], self._members) if not self._beams

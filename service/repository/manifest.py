@@ -59,7 +59,7 @@ class HashMismatch(ManifestError):
         self.path, self.expected, self.actual = path, expected, actual
 
 
-SHORTLIST_FILES = ("step_decoder", "table")  # the files a variant's `shortlist` names
+SHORTLIST_FILES = ("step_decoder", "projection", "table")  # the files a variant's `shortlist` names
 
 
 @dataclass
@@ -77,8 +77,9 @@ class Variant:
     # batching; "" when the variant has none (the running batch then uses `decoder`)
     step_decoder: str = ""
     # a vocabulary shortlist for that step graph (`export.shortlist`), or None: "step_decoder"
-    # (the step graph with the `vocab` input), "table" (the lexical table), how the table was
-    # built ("score", "k", "n") and its measured cost ("quality")
+    # (the step graph reading the projection's columns), "projection" (the graph making them
+    # from the shortlist's ids), "table" (the lexical table), how the table was built ("score",
+    # "k", "n") and its measured cost ("quality")
     shortlist: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -212,7 +213,7 @@ def verify_files(directory: str | Path, manifest: Manifest) -> None:
         if variant.step_decoder:
             referenced.add(variant.step_decoder)
         if variant.shortlist:
-            referenced.update((variant.shortlist["step_decoder"], variant.shortlist["table"]))
+            referenced.update(variant.shortlist[key] for key in SHORTLIST_FILES)
     for name in sorted(referenced | set(manifest.files)):
         relative = PurePosixPath(name)
         if relative.is_absolute() or ".." in relative.parts or not relative.parts:

@@ -33,6 +33,7 @@ import onnxruntime as ort
 from model.tokenizer import Tokenizer, VocabFiles, VocabTokenizer, load_tokenizer
 from service.repository import graph_io
 from service.repository.manifest import (
+    SHORTLIST_FILES,
     Manifest,
     ManifestError,
     Variant,
@@ -442,11 +443,11 @@ def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
 
 def _load_shortlist(directory: Path, variant: Variant, vocab_size: int, threads: int, spinning: bool,
                     memory_arena: bool) -> Shortlist:
-    """The variant's shortlist step graph (a CPU session, as the other int8 sessions) and table."""
+    """The variant's shortlist graphs (CPU sessions, as the other int8 sessions) and table."""
     assert variant.shortlist is not None
-    graph, table = (directory / variant.shortlist[key] for key in ("step_decoder", "table"))
+    graph, projection, table = (directory / variant.shortlist[key] for key in SHORTLIST_FILES)
     try:
-        loaded = Shortlist.load(graph, table, threads, spinning, memory_arena)
+        loaded = Shortlist.load(graph, projection, table, threads, spinning, memory_arena)
     except Exception as error:  # onnxruntime's own types, or the table's ValueError
         raise ModelLoadError(f"{graph}: the vocabulary shortlist cannot load: {error}") from error
     if loaded.table.vocab_size != vocab_size:

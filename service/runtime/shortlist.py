@@ -2,13 +2,17 @@
 target pieces that can follow its rows' sources plus the most frequent ones, so that the output
 projection computes only those columns.
 
-Two files, both written by `export.shortlist`:
+Three files, all written by `export.shortlist`:
 - the table (`.npz`): `candidates` (vocab, K) int ids, the K target pieces most associated with
   each source piece in the training pairs; `always` (N',) the most frequent target pieces and
   the special ids (EOS, UNK), part of every shortlist;
+- the projection graph (`shortlist_projection.onnx`): from `vocab` (V',) int64, the sorted ids
+  whose logits a step computes, the output projection's columns for them (its int8 weight,
+  scales and zero points), one output per constant;
 - the step graph with the shortlist (`decoder_step_shortlist.onnx`): `export.step_graph`'s
-  inputs plus `vocab` (V',) int64, the sorted ids whose logits it computes; `logits` (B, V')
-  holds them in that order (`vocab[argmax]` is the token).
+  inputs plus those columns, as inputs of the same names; `logits` (B, V') holds the ids of
+  `vocab` in its order (`vocab[argmax]` is the token). The columns are made once per new
+  shortlist (`Shortlist.columns`), not at every step.
 
 A row's candidates are the union of its source pieces' rows of `candidates`; a batch's shortlist
 is the union of its rows' candidates and `always` (`ShortlistCounts` keeps it as rows join and
@@ -67,24 +71,37 @@ class ShortlistTable:
 
 @dataclass
 class Shortlist:
-    """The step graph with the `vocab` input (its session) and the table that fills it; the
-    graph is made from the runtime's own step graph (`export.shortlist.write_shortlist_step`),
-    so the logits it computes are those columns of the runtime's."""
+    """The step graph that reads the projection's columns as inputs (its session), the graph
+    that makes them from a shortlist (`projection`) and the table that fills it; both graphs are
+    made from the runtime's own step graph (`export.shortlist.shortlist_graphs`), so the logits
+    they compute are those columns of the runtime's."""
 
     session: ort.InferenceSession
+    projection: ort.InferenceSession
     table: ShortlistTable
 
     @classmethod
-    def load(cls, graph: str | Path, table: str | Path, threads: int = 0, spinning: bool = True,
-             memory_arena: bool = True) -> Shortlist:
-        """A CPU session of the shortlist step graph (the options `ModelRuntime` gives its int8
-        sessions: all graph optimizations, constant folding of the dequantized weights) and its
-        table; the graph's vocabulary must be the table's."""
+    def load(cls, graph: str | Path, projection: str | Path, table: str | Path, threads: int = 0,
+             spinning: bool = True, memory_arena: bool = True) -> Shortlist:
+        """CPU sessions of the shortlist's step and projection graphs (the options `ModelRuntime`
+        gives its int8 sessions: all graph optimizations, constant folding of the dequantized
+        weights) and its table; the step graph must read every column the projection makes."""
         options = session_options(threads, spinning, memory_arena, fold_dequantize=True)
         session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
-        if "vocab" not in {i.name for i in session.get_inputs()}:
-            raise ValueError(f"{graph}: the step graph has no `vocab` input (export.shortlist makes it)")
-        return cls(session, ShortlistTable.load(table))
+        made = ort.InferenceSession(str(projection), session_options(1, False, memory_arena),
+                                    providers=["CPUExecutionProvider"])
+        if [i.name for i in made.get_inputs()] != ["vocab"]:
+            raise ValueError(f"{projection}: the projection graph must take `vocab` only (export.shortlist makes it)")
+        missing = {o.name for o in made.get_outputs()} - {i.name for i in session.get_inputs()}
+        if missing or not made.get_outputs():
+            raise ValueError(f"{graph}: the step graph does not read the projection's columns {sorted(missing)}")
+        return cls(session, made, ShortlistTable.load(table))
+
+    def columns(self, vocab: np.ndarray) -> dict[str, np.ndarray]:
+        """The step graph's column inputs for the sorted ids `vocab`, by input name."""
+        names = [o.name for o in self.projection.get_outputs()]
+        values = self.projection.run(names, {"vocab": np.ascontiguousarray(vocab, dtype=np.int64)})
+        return {name: np.ascontiguousarray(value) for name, value in zip(names, values, strict=True)}
 
 
 @dataclass

@@ -11,7 +11,7 @@ in host memory (`device_slots.DeviceSlots` keeps them on a device). Torch-free.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -78,7 +78,8 @@ class StepBinding:
     present to the same cache buffer, the cross keys/values (and, for a graph whose
     cross-attention reads each row's own source, their `present_cross_*` outputs) to theirs,
     all as OrtValues over the arrays' own memory, so that onnxruntime writes in place. A step
-    (`run`) binds only its ids, positions and source mask (and `vocab`).
+    (`run`) binds only its ids, positions and source mask (and, for the shortlist's step graph,
+    its projection columns when they are not the ones bound already).
 
     Kept for several steps (`reuse_logits`), the binding is made once while the rows stay the
     same, and the logits are written into one array bound after the first step: each step then
@@ -92,6 +93,7 @@ class StepBinding:
         self.binding = session.io_binding()
         self.binding.bind_output("logits", "cpu")  # bound first: the first output
         self._logits: np.ndarray | None = None
+        self._columns: Mapping[str, np.ndarray] | None = None  # the shortlist's columns bound (kept alive)
         layers = len(buffers.arrays) // 2
         in_place = cross_in_place(session)
         self._values: list[ort.OrtValue] = []  # what the binding reads and writes, kept alive
@@ -108,11 +110,13 @@ class StepBinding:
             self._values.append(value)
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, source_mask: np.ndarray,
-            vocab: np.ndarray | None = None) -> np.ndarray:
+            columns: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """One step (`run_step`'s inputs); the (count, vocab) logits."""
         binding = self.binding
-        if vocab is not None:
-            binding.bind_cpu_input("vocab", np.ascontiguousarray(vocab, dtype=np.int64))
+        if columns is not None and columns is not self._columns:
+            for name, array in columns.items():
+                binding.bind_cpu_input(name, array)
+            self._columns = columns
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
         binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
@@ -120,7 +124,7 @@ class StepBinding:
         if self._logits is not None:
             return self._logits
         logits: np.ndarray = binding.get_outputs()[0].numpy()  # logits: bound first
-        if self.reuse_logits and vocab is None:  # the next steps write into an array of ours
+        if self.reuse_logits and columns is None:  # the next steps write into an array of ours
             self._logits = np.empty_like(logits)
             self._values.append(ort.OrtValue.ortvalue_from_numpy(self._logits))
             binding.bind_ortvalue_output("logits", self._values[-1])
@@ -129,15 +133,16 @@ class StepBinding:
 
 def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
              source_mask: np.ndarray, cross: list[np.ndarray], buffers: CacheBuffers,
-             vocab: np.ndarray | None = None) -> np.ndarray:
+             columns: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
     """One step of B rows (the first B of `buffers`): (B, 1) ids and positions (each row's
     cached length, < capacity), (B, S) source mask, cross keys/values (cross_key.0,
     cross_value.0, ...: (B, h, S, d)). Writes each row's new key/value into `buffers` at column
-    positions[b]; returns the (B, vocab) logits. With `vocab` (V',) ids, for the shortlist step
-    graph (`service.runtime.shortlist`): the (B, V') logits of those ids. A graph whose
+    positions[b]; returns the (B, vocab) logits. With `columns`, the shortlist step graph's
+    projection inputs (`service.runtime.shortlist.Shortlist.columns` of V' ids): the (B, V')
+    logits of those ids. A graph whose
     cross-attention reads each row's own source has the cross keys/values as outputs too
     (`present_cross_*`): they are bound to the same memory as the inputs (`StepBinding`)."""
-    return StepBinding(session, buffers, cross, len(input_ids)).run(input_ids, positions, source_mask, vocab)
+    return StepBinding(session, buffers, cross, len(input_ids)).run(input_ids, positions, source_mask, columns)
 
 
 class HostSlots:
@@ -206,14 +211,14 @@ class HostSlots:
         return new
 
     def step(self, session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
-             source_mask: np.ndarray, vocab: np.ndarray | None = None) -> np.ndarray:
+             source_mask: np.ndarray, columns: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """One step of the first B slots (`run_step`, B = len(input_ids)); the (B, vocab) logits,
-        or with `vocab` (the shortlist step graph's input) the (B, V') logits of those ids.
+        or with `columns` (the shortlist step graph's projection inputs) the (B, V') logits.
         The graph stays bound to the slots while B and `session` stay the same (`StepBinding`);
-        without `vocab` the logits are one array that the next such step overwrites."""
+        without `columns` the logits are one array that the next such step overwrites."""
         count = len(input_ids)
         bound = self._binding
         if bound is None or bound.session is not session or bound.count != count:
             bound = self._binding = StepBinding(session, self.buffers, [c[:count] for c in self.cross], count,
                                                 reuse_logits=True)
-        return bound.run(input_ids, positions, source_mask, vocab)
+        return bound.run(input_ids, positions, source_mask, columns)

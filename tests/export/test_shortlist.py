@@ -10,9 +10,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from export.shortlist import coverage, shortlist_step_graph, table_from_ids
+from export.shortlist import coverage, shortlist_graphs, table_from_ids
 from service.repository.manifest import read_manifest
 from service.runtime import CPU, ModelRuntime
+from service.runtime.shortlist import Shortlist
 from service.runtime.step_buffers import CacheBuffers, run_step
 from tests.conftest import TINY_CONFIG, reversal_examples
 
@@ -30,16 +31,22 @@ def int8(tiny_model_repository) -> ModelRuntime:
     return ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="int8")
 
 
+@pytest.fixture(scope="module")
+def shortlist(tiny_shortlist) -> Shortlist:
+    return Shortlist.load(*tiny_shortlist, threads=1)
+
+
 def _steps(runtime: ModelRuntime, session: ort.InferenceSession, sources: list[list[int]],
-           tokens: list[np.ndarray], vocab: np.ndarray | None) -> list[np.ndarray]:
-    """The logits of one step per entry of `tokens` ((B,) inputs), from the decoder start."""
+           tokens: list[np.ndarray], columns: dict[str, np.ndarray] | None) -> list[np.ndarray]:
+    """The logits of one step per entry of `tokens` ((B,) inputs), from the decoder start; with
+    `columns`, of the shortlist step graph `session` reading them."""
     state = runtime.encode(runtime.pad(sources))
     cross = [np.asarray(t) for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
     buffers = CacheBuffers(runtime.n_decoder_layers, len(sources), runtime.n_heads, 8, runtime.head_dim)
     out = []
     for position, ids in enumerate(tokens):
         positions = np.full((len(sources), 1), position, dtype=np.int64)
-        out.append(run_step(session, ids[:, None], positions, np.asarray(state.source_mask), cross, buffers, vocab))
+        out.append(run_step(session, ids[:, None], positions, np.asarray(state.source_mask), cross, buffers, columns))
     return out
 
 
@@ -51,29 +58,30 @@ def _inputs(runtime: ModelRuntime, trained_tiny) -> tuple[list[list[int]], list[
     return sources, tokens
 
 
-def test_every_id_in_order_gives_the_step_graphs_logits_exactly(int8, tiny_shortlist, trained_tiny) -> None:
+def test_every_id_in_order_gives_the_step_graphs_logits_exactly(int8, shortlist, trained_tiny) -> None:
     sources, tokens = _inputs(int8, trained_tiny)
     assert int8.step is not None
     full = _steps(int8, int8.step, sources, tokens, None)
     everything = np.arange(TINY_CONFIG.vocab_size, dtype=np.int64)
-    short = _steps(int8, _session(tiny_shortlist[0]), sources, tokens, everything)
+    short = _steps(int8, shortlist.session, sources, tokens, shortlist.columns(everything))
     for a, b in zip(full, short, strict=True):
         assert a.shape == b.shape == (len(sources), TINY_CONFIG.vocab_size)
         assert np.array_equal(a, b)
 
 
-def test_a_shortlist_holding_each_rows_argmax_picks_the_same_tokens(int8, tiny_shortlist, trained_tiny) -> None:
+def test_a_shortlist_holding_each_rows_argmax_picks_the_same_tokens(int8, shortlist, trained_tiny) -> None:
     sources, tokens = _inputs(int8, trained_tiny)
     assert int8.step is not None
     full = _steps(int8, int8.step, sources, tokens, None)
-    session = _session(tiny_shortlist[0])
     rng = np.random.default_rng(1)
     for step, logits in enumerate(full):
         best = logits.argmax(axis=-1)
         others = rng.choice(TINY_CONFIG.vocab_size, 3, replace=False)
         vocab = np.unique(np.concatenate([best, others]))
         assert len(vocab) < TINY_CONFIG.vocab_size
-        short = _steps(int8, session, sources, tokens[:step + 1], vocab)[-1]
+        columns = shortlist.columns(vocab)
+        assert {name: array.shape[-1] for name, array in columns.items()} == dict.fromkeys(columns, len(vocab))
+        short = _steps(int8, shortlist.session, sources, tokens[:step + 1], columns)[-1]
         assert short.shape == (len(sources), len(vocab))
         assert np.array_equal(short, logits[:, vocab])  # the same columns, computed alone
         assert np.array_equal(vocab[short.argmax(axis=-1)], best)
@@ -84,11 +92,14 @@ def test_the_surgery_leaves_the_step_graph_unchanged(tiny_model_repository) -> N
     assert step
     model = onnx.load(str(tiny_model_repository / step))
     before = model.SerializeToString()
-    rewritten = shortlist_step_graph(model)
+    rewritten, projection = shortlist_graphs(model)
     assert model.SerializeToString() == before
-    assert "vocab" in [i.name for i in rewritten.graph.input]
-    gathers = [n for n in rewritten.graph.node if n.op_type == "Gather" and "vocab" in n.input]
-    assert len(gathers) == 3  # the int8 weight, its per-channel zero points and scales
+    # the int8 weight, its per-channel zero points and scales: gathered by the projection graph,
+    # read by the step graph, whose projection no longer reads a constant of the vocabulary
+    made = [o.name for o in projection.graph.output]
+    assert len(made) == 3 and [i.name for i in projection.graph.input] == ["vocab"]
+    assert set(made) <= {i.name for i in rewritten.graph.input}
+    assert "vocab" not in {name for n in rewritten.graph.node for name in n.input}
 
 
 def test_the_table_ranks_each_piece_first_for_a_reversal_and_covers_its_references() -> None:
@@ -133,19 +144,21 @@ def test_add_shortlist_ships_the_table_and_graph_and_changes_no_other_file(tiny_
     verify_files(copy, manifest)
     assert manifest.variants["int8"].shortlist == entry
     assert entry["step_decoder"] == "int8/decoder_step_shortlist.onnx" and entry["table"] == "shortlist.npz"
+    assert entry["projection"] == "int8/shortlist_projection.onnx"
     assert entry["k"] == 3 and entry["n"] == 0 and entry["train_pairs"] == 400
     quality = entry["quality"]
     assert quality["rows"] == 40 and set(quality["full"]) == set(quality["shortlist"]) == {"bleu", "chrf"}
     after = _contents(copy)
-    new = {"shortlist.npz", "int8/decoder_step_shortlist.onnx"}
+    new = {"shortlist.npz", "int8/decoder_step_shortlist.onnx", "int8/shortlist_projection.onnx"}
     assert set(after) == set(before) | new
     for name, data in before.items():
         if name == "int8/weights.bin":  # the projection by vocabulary row appended, the rest kept
             assert after[name][:len(data)] == data and len(after[name]) > len(data)
         elif name != "manifest.json":
             assert after[name] == data, name
-    # the graph opens with plain onnxruntime; the runtime loads it only when asked
-    assert "vocab" in [i.name for i in _session(copy / entry["step_decoder"]).get_inputs()]
+    # the graphs open with plain onnxruntime; the runtime loads them only when asked
+    made = [o.name for o in _session(copy / entry["projection"]).get_outputs()]
+    assert set(made) <= {i.name for i in _session(copy / entry["step_decoder"]).get_inputs()}
     assert ModelRuntime.load(copy, [CPU], threads=1, variant="int8").shortlist is None
     runtime = ModelRuntime.load(copy, [CPU], threads=1, variant="int8", shortlist=True)
     assert runtime.shortlist is not None and runtime.shortlist.table.vocab_size == TINY_CONFIG.vocab_size
