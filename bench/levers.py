@@ -163,8 +163,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
              ("| variant | flags | sentences/s | p50 s | p95 s | server CPU s | event loop ms/request "
-              "| joins (batches) | vs CTranslate2 |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+              "| joins (batches) | failed requests, all runs | vs CTranslate2 |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     reference = results.get("ctranslate2")
     single = bool(reference and reference.get("single"))
     if single:
@@ -178,7 +178,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} "
                      f"({min(speeds):.1f}-{max(speeds):.1f}) | "
                      f"{run['latency_p50_s']:.3f} | {run['latency_p95_s']:.3f} | {run['server_cpu_s']:.1f} | "
-                     f"{_loop_ms(run)} | {run['batching']['batches']} | {ratio} |")
+                     f"{_loop_ms(run)} | {run['batching']['batches']} | {sum(r.get('errors', 0) for r in run['runs'])} "
+                     f"| {ratio} |")
     if reference:
         speeds = [r["sentences_per_s"] for r in reference["runs"]]
         setting = (f"{reference.get('replicas', 1)} replica(s) x {reference.get('intra_threads', 0) or 'default'} "
@@ -187,11 +188,11 @@ def markdown(results: dict[str, Any]) -> str:
             setting = f"{reference.get('replicas', 1)} replica(s) x {reference.get('intra_threads', 0) or 'default'} threads"
             lines.append(f"| CTranslate2 int8, one sentence per call (in-process, {setting}) | - | "
                          f"{reference['sentences_per_s']:.1f} ({min(speeds):.1f}-{max(speeds):.1f}) | "
-                         f"{reference['latency_p50_s']:.3f} | {reference['latency_p95_s']:.3f} | - | - | - | 1.00 |")
+                         f"{reference['latency_p50_s']:.3f} | {reference['latency_p95_s']:.3f} | - | - | - | - | 1.00 |")
         else:
             lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, {setting}) | - | "
                          f"{reference['sentences_per_s']:.1f} "
-                         f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | 1.00 |")
+                         f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | - | 1.00 |")
     return "\n".join(lines) + "\n"
 
 

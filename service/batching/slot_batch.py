@@ -52,7 +52,7 @@ whole batch's scale, so its tokens may depend on its neighbours.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, Protocol, cast
 
 import numpy as np
@@ -99,6 +99,7 @@ class BeamGroup(Generic[Owner]):
 
     owner: Owner
     search: BeamRow
+    slots: list[int] = field(default_factory=list)  # the slot of each beam, kept as slots move
 
 
 @dataclass(eq=False)
@@ -175,7 +176,8 @@ class SlotBatch(Generic[Owner]):
         self._initial = (rows, capacity)
         self.quantum = quantum  # columns and source width grow to multiples of this
         self._members: list[Member[Owner] | BeamSlot[Owner]] = []  # live rows: slot i holds self._members[i]
-        self._beams = 0  # beam-search rows among them (each in k slots)
+        # the beam-search rows among them (each in k slots), in the order they joined
+        self._beams: dict[BeamGroup[Owner], None] = {}
         if on_device is None:
             on_device = slots_on_device(runtime)
         self._slots: Slots = (_device_slots(runtime, rows, capacity) if on_device else
@@ -276,9 +278,10 @@ class SlotBatch(Generic[Owner]):
                 self._members.append(member)
                 continue
             group = BeamGroup(member.owner, BeamRow(k, self.runtime.eos_id, member.max_new_tokens,
-                                                    hooks=member.hooks, track=member.token_scores is not None))
+                                                    hooks=member.hooks, track=member.token_scores is not None),
+                              list(range(len(self._members), len(self._members) + k)))
             self._members += [BeamSlot(group, beam) for beam in range(k)]
-            self._beams += 1
+            self._beams[group] = None
         if self._shortlist is not None and self._counts is not None:
             table = self._shortlist.table
             for i, k in zip(order, beams, strict=True):
@@ -333,18 +336,15 @@ class SlotBatch(Generic[Owner]):
         `logits`: its next tokens into `best`, each beam's cache copied from its parent's slot
         where that is another slot; returns the slots of the rows that closed (all of each
         row's) and those rows' results."""
-        slots: dict[BeamGroup[Owner], list[int]] = {}
-        for i, member in enumerate(self._members):
-            if isinstance(member, BeamSlot):
-                slots.setdefault(member.group, [0] * member.group.search.k)[member.beam] = i
-        index = np.asarray([i for group_slots in slots.values() for i in group_slots], dtype=np.int64)
+        index = np.asarray([i for group in self._beams for i in group.slots], dtype=np.int64)
         log_probs = log_softmax(logits[index])  # (sum of k, V)
         closed: list[int] = []
         results: list[tuple[Owner, GenerationResult]] = []
         sources: list[int] = []
         targets: list[int] = []
         first = 0
-        for group, group_slots in slots.items():
+        for group in self._beams:
+            group_slots = group.slots
             search, k = group.search, len(group_slots)
             own = log_probs[first:first + k]  # (k, V)
             first += k
@@ -398,14 +398,17 @@ class SlotBatch(Generic[Owner]):
         if self._counts is not None:
             for i in finished:
                 self._counts.leave(self._candidates[i])
-        if self._beams:
-            self._beams -= len({m.group for i in finished if isinstance(m := self._members[i], BeamSlot)})
+        for i in finished:
+            if isinstance(member := self._members[i], BeamSlot):
+                self._beams.pop(member.group, None)
         if holes.size:
             self._slots.move_rows(movers, holes, int(self._positions[movers].max()))
             for array in (self._source_mask, self._positions, self._last):
                 array[holes] = array[movers]
             for hole, mover in zip(holes.tolist(), movers.tolist(), strict=True):
-                self._members[hole] = self._members[mover]
+                member = self._members[hole] = self._members[mover]
+                if isinstance(member, BeamSlot):
+                    member.group.slots[member.beam] = hole
                 if self._counts is not None:
                     self._candidates[hole] = self._candidates[mover]
         del self._members[left:]

@@ -86,7 +86,8 @@ def onnx_running_batch(settings: Settings) -> RunningBatchFactory:
     def bind(runtime: Runtime) -> Callable[[], InFlightBatch[Any]]:
         if getattr(runtime, "step", None) is not None:
             return functools.partial(SlotBatch, runtime, scores=settings.greedy_scores,  # type: ignore[arg-type]
-                                     shortlist_rows=settings.shortlist_rows)
+                                     shortlist_rows=settings.shortlist_rows,
+                                     shortlist_share=settings.shortlist_share)
         return functools.partial(RunningBatch, runtime, scores=settings.greedy_scores)  # type: ignore[arg-type]
 
     return bind

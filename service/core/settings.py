@@ -89,8 +89,12 @@ class Settings(BaseSettings):
     shortlist_rows: int = Field(
         default=8, ge=0, description="continuous, on the CPU: a decoder step of at most this "
         "many rows computes only the logits of the batch's vocabulary shortlist (while it holds "
-        "at most a quarter of the vocabulary), when the model's repository has one "
+        "at most `shortlist_share` of the vocabulary), when the model's repository has one "
         "(`attnserve add-shortlist`); 0 = always the whole vocabulary",
+    )
+    shortlist_share: float = Field(
+        default=0.25, gt=0, le=1, description="continuous: the largest share of the vocabulary "
+        "a step's shortlist may hold to be used (a longer one costs what it saves)",
     )
     greedy_scores: bool = Field(
         default=False, description="sum every greedy result's log-probability (it costs a "

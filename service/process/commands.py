@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "batch_workers", "max_batch_size",
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "length_routing",
-    "max_join_wait_ms", "max_join_age", "shortlist_rows", "greedy_scores", "spinning", "cpu_memory_arena", "request_timeout_s",
+    "max_join_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
     "max_large_responses", "public_metadata",
@@ -77,6 +77,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--shortlist-rows", type=int,
                    help="continuous batching: steps of at most this many rows compute only the "
                    "vocabulary shortlist's logits, for models that ship one (default 8; 0: never)")
+    p.add_argument("--shortlist-share", type=float,
+                   help="continuous batching: the shortlist is used while it holds at most this share of "
+                   "the vocabulary (default 0.25)")
     p.add_argument("--greedy-scores", action=argparse.BooleanOptionalAction,
                    help="sum each greedy result's log-probability (not returned by the API; a "
                    "log-softmax over the vocabulary every step; default off)")

@@ -113,9 +113,10 @@ class StepBinding:
             columns: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """One step (`run_step`'s inputs); the (count, vocab) logits."""
         binding = self.binding
-        if columns is not None and columns is not self._columns:
+        if columns is not None and columns is not self._columns:  # a new shortlist, of another length maybe:
             for name, array in columns.items():
                 binding.bind_cpu_input(name, array)
+            binding.bind_output("logits", "cpu")  # the logits onnxruntime allocated for the last one go
             self._columns = columns
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,22 +44,28 @@ def _get(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         return result
 
 
-def _serve(models_dir: Path, shortlist_rows: int) -> tuple[dict[str, Any], list[str]]:
-    """The model's card and the translations of `TEXTS`, one request at a time."""
+def _serve(models_dir: Path, shortlist_rows: int) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The model's card, the translations of `TEXTS` one request at a time, and those of 6 x
+    `TEXTS` sent 8 at a time (rows join and leave a running batch, its shortlist changing); a
+    shortlist of any share of the tiny vocabulary (20 pieces) is used."""
     settings = Settings(models_dir=models_dir, providers=("CPUExecutionProvider",), threads=1, variant="int8",
-                        shortlist_rows=shortlist_rows)
+                        shortlist_rows=shortlist_rows, shortlist_share=1.0, batch_workers=1)
     with serve(create_app(settings)) as url:
         wait_until_ready(url)
         card = _get(f"{url}/v1/models")["models"][0]
         outputs = [_get(f"{url}/v1/translate", {"text": text})["outputs"][0]["text"] for text in TEXTS]
-    return card, outputs
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda text: _get(f"{url}/v1/translate", {"text": text})["outputs"][0]["text"],
+                                     TEXTS * 6))
+    return card, outputs, together
 
 
 def test_the_shortlist_serves_small_batches_and_gives_the_whole_vocabularys_tokens(models_dir: Path) -> None:
-    card, outputs = _serve(models_dir, 4)
+    card, outputs, together = _serve(models_dir, 4)
     assert card["variant"] == "int8" and card["batching"]["continuous"]
     assert card["batching"]["shortlist_rows"] == 4
-    off_card, off_outputs = _serve(models_dir, 0)
+    assert len(together) == 6 * len(TEXTS)  # every request answered (urllib raises on an error status)
+    off_card, off_outputs, _ = _serve(models_dir, 0)
     assert off_card["batching"]["shortlist_rows"] == 0
     assert outputs == off_outputs
     assert outputs[0].strip() == "ed cba"  # the tiny int8 model adds a space at times

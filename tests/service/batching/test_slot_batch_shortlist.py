@@ -127,3 +127,31 @@ def test_counts_follow_rows_joining_and_leaving() -> None:
     assert counts.vocab.tolist() == [0, 3, 4]
     counts.leave(second)
     assert counts.vocab.tolist() == [0]
+
+
+def test_the_same_rows_step_over_shortlists_of_other_lengths(runtime, sources) -> None:
+    """A shortlist that changes while the row count stays (a row leaves, another joins) gives
+    logits of its own length: the bound step's logits are not kept from the last shortlist."""
+    from service.runtime.step_buffers import HostSlots
+
+    assert runtime.shortlist is not None and runtime.step is not None
+    rows = 3
+    state = runtime.encode(runtime.pad(sources[:rows]))
+    width = state.source_mask.shape[1]
+
+    def slots() -> HostSlots:
+        made = HostSlots(runtime.n_decoder_layers, rows, runtime.n_heads, 8, runtime.head_dim, width)
+        made.write(0, [t for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair])
+        return made
+
+    ids = np.full((rows, 1), runtime.decoder_start_id, dtype=np.int64)
+    mask = np.asarray(state.source_mask)
+    full, short = slots(), slots()
+    for step, vocab in enumerate([np.array([1, 3, 5, 7, 9]), np.array([0, 1, 2, 3, 4, 5, 11, 19]), np.arange(4, 9)]):
+        positions = np.full((rows, 1), step, dtype=np.int64)
+        logits = full.step(runtime.step, ids, positions, mask).copy()
+        columns = runtime.shortlist.columns(vocab)
+        shortlisted = short.step(runtime.shortlist.session, ids, positions, mask, columns)
+        assert shortlisted.shape == (rows, len(vocab))
+        np.testing.assert_allclose(shortlisted, logits[:, vocab], rtol=1e-5, atol=1e-5)
+        ids = logits.argmax(axis=-1)[:, None]
