@@ -73,7 +73,8 @@ VARIANTS: dict[str, list[str]] = {
     "two onnxruntime threads per session (workers share them)": ["--threads", "2"],
     "onnxruntime CPU memory arena on": ["--cpu-memory-arena"],
     "max_batch_tokens 16384": ["--max-batch-tokens", "16384"],
-    "no vocabulary shortlist (every step over the whole vocabulary)": ["--shortlist-rows", "0"],
+    "vocabulary shortlist at steps of at most 8 rows": ["--shortlist-rows", "8"],
+    "vocabulary shortlist for a row decoding alone": ["--shortlist-rows", "1"],
     "greedy results scored (a log-softmax per step)": ["--greedy-scores"],
     "request-level batching, greedy results scored": ["--no-continuous-batching", "--greedy-scores"],
 }

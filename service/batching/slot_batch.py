@@ -30,12 +30,13 @@ on the host: each row's candidates (its source pieces' candidates in the table) 
 as it joins and out as it leaves, and a step of at most `shortlist_rows` live slots whose
 shortlist holds at most `shortlist_share` of the vocabulary computes only the logits of the
 batch's shortlist (the counted ids and the table's `always`, kept sorted and recomputed only
-after a join or a departure); the step's argmax maps back to a token id through it. The rule
-follows the cost: the shortlist graph gathers the projection's weights for each step, which pays
-at a few rows and a short list, not at full batches or at a third of the vocabulary
-(bench/results/shortlist). A step with the batch's `scores`,
-with a beam-search row, or with a live row that has a forced prefix or asks for its scores,
-computes the whole vocabulary: those need the probabilities of every token (and the prefix's
+after a join or a departure); the step's argmax maps back to a token id through it. The
+projection's columns for a shortlist are gathered once (`Shortlist.columns`) and kept while it
+stays. The rule follows the cost: an int8 product over gathered columns (not prepacked, as the
+whole projection is) pays at a few rows and a short list, and a full batch's shortlist changes
+at nearly every step (bench/results/shortlist/served). A step with the batch's `scores`, with a
+beam-search row, or with a live row that has a forced prefix or asks for its scores, computes
+the whole vocabulary: those need the probabilities of every token (and the prefix's
 tokens may lie outside the shortlist). Device slots always compute the whole vocabulary.
 
 Beam-search rows decode in the running batch too: a row of beam k takes k slots, one per beam

@@ -87,10 +87,11 @@ class Settings(BaseSettings):
         "oldest row's (0 = any age)",
     )
     shortlist_rows: int = Field(
-        default=8, ge=0, description="continuous, on the CPU: a decoder step of at most this "
+        default=0, ge=0, description="continuous, on the CPU: a decoder step of at most this "
         "many rows computes only the logits of the batch's vocabulary shortlist (while it holds "
         "at most `shortlist_share` of the vocabulary), when the model's repository has one "
-        "(`attnserve add-shortlist`); 0 = always the whole vocabulary",
+        "(`attnserve add-shortlist`); an approximation, off by default (0: always the whole "
+        "vocabulary; 1, a row decoding alone, is the measured choice)",
     )
     shortlist_share: float = Field(
         default=0.25, gt=0, le=1, description="continuous: the largest share of the vocabulary "
