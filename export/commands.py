@@ -268,7 +268,7 @@ def _register_add_shortlist(subcommands: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
     p.add_argument("--data-dir", required=True, help="the task's data folder ({train,test}.{src,tgt})")
-    p.add_argument("-k", type=int, default=10, help="candidates per source piece (default 10)")
+    p.add_argument("-k", type=int, default=20, help="candidates per source piece (default 20)")
     p.add_argument("-n", type=int, default=500, help="most frequent target pieces in every shortlist (default 500)")
     p.add_argument("--score", choices=("dice", "lift"), default="dice")
     p.add_argument("--rows", type=int, default=None, help="test rows the cost is measured on (default: all)")

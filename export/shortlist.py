@@ -315,7 +315,7 @@ def shortlist_quality(runtime: ModelRuntime, data_dir: str | Path, rows: int | N
     return report
 
 
-def add_shortlist(directory: str | Path, data_dir: str | Path, *, precision: str = "int8", k: int = 10,
+def add_shortlist(directory: str | Path, data_dir: str | Path, *, precision: str = "int8", k: int = 20,
                   frequent: int = 500, score: str = "dice", rows: int | None = None,
                   max_drop: float | None = MAX_SHORTLIST_DROP, max_size_mb: float | None = MAX_SIZE_MB,
                   threads: int = 0) -> dict[str, Any]:
@@ -336,6 +336,9 @@ def add_shortlist(directory: str | Path, data_dir: str | Path, *, precision: str
     if variant.shortlist:
         raise ValueError(f"{directory}: the {precision} variant has a shortlist already "
                          f"({variant.shortlist['step_decoder']})")
+    if manifest.tokenizer_kind != "sentencepiece":  # one SentencePiece model for both sides
+        raise ValueError(f"{directory}: the table needs one SentencePiece tokenizer for sources and targets, "
+                         f"not {manifest.tokenizer_kind!r}")
     step = PurePosixPath(variant.step_decoder)
     graph_name, projection_name = (str(step.parent / file) if step.parent.parts else file
                                    for file in (SHORTLIST_STEP_FILE, SHORTLIST_PROJECTION_FILE))
