@@ -273,7 +273,8 @@ def run_naive(config: BenchConfig, models: dict[str, Path], workloads: dict[str,
 def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path], workloads: dict[str, Workload],
                                    results: dict[str, Any]) -> None:
     """ONNX in-process: the service's default variant at each batch size and length-sorted at the
-    largest, fp32 at the largest (the int8 lever, and the reference CTranslate2 is compared with);
+    largest, on the CPU its grid (`in_process.settings_grid`: engines x sizes of at least 32 x
+    replicas and threads; `best` is what the targets compare), fp32 at the largest (the int8 lever, and the reference CTranslate2 is compared with);
     then CTranslate2 fp32/int8, greedy/beam 4, and agreement."""
     from bench import in_process
 
@@ -293,6 +294,11 @@ def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path],
             stats, _ = _timed(f"in-process {model} b{largest} length-sorted", in_process.run_batches,
                               runtime, sources, largest, sort_by_length=True)
             entry[f"b{largest}_length_sorted"] = stats.to_dict()
+            if tuple(config.providers) == (in_process.CPU,):  # replicas x threads: a CPU grid
+                sizes = sorted({size for size in config.batch_sizes if size >= 32} or {largest})
+                grid = _timed(f"in-process {model} grid", in_process.run_grid, models[model], sources,
+                              in_process.settings_grid(sizes))
+                entry["grid"], entry["best"] = grid["points"], grid["best"]
             task_results["in_process"] = entry
             references[f"onnx_{runtime.variant}"] = outputs
         if runtime.variant != "fp32":

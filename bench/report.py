@@ -60,6 +60,7 @@ def markdown(results: dict[str, Any]) -> str:
                       f"{_cell(t['continuous_p95_s'])} | {_cell(t['p95_ratio'], 2)} | "
                       f"{t.get('slices_continuous_lower', '-')} of {t.get('slices', '-')} |"
                       for i, t in enumerate(turns, 1)]
+        lines += in_process_grid_table(task_results.get("in_process", {}))
         lines += grid_table(task_results.get("ctranslate2", {}))
         lines += roofline_lines(task_results.get("roofline", {}))
         for key, value in task_results.items():
@@ -85,6 +86,23 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {t['description']} | {_cell(t['ratio'], 3)} | {bound} | {t['status']} | {t['note']} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def in_process_grid_table(in_process: dict[str, Any]) -> list[str]:
+    """Our in-process tuning grid as markdown lines: every point, the best marked (none without a grid)."""
+    points = in_process.get("grid", [])
+    if not points:
+        return []
+    best = max(p["sentences_per_s"] for p in points)
+    lines = ["", ("ONNX in-process over its tuning grid (`batches`: request-level batches of similar length; "
+                  "`running`: a running batch of that many slots; the best point is compared in the targets):"), "",
+             "| engine | size | replicas | threads | sentences/s | p50 s | |", "|---|---|---|---|---|---|---|"]
+    for point in points:
+        s = point["settings"]
+        mark = "best" if point["sentences_per_s"] == best else ""
+        lines.append(f"| {s['engine']} | {s['size']} | {s['replicas']} | {s['threads']} | "
+                     f"{_cell(point['sentences_per_s'])} | {_cell(point['latency_p50_s'])} | {mark} |")
+    return lines
 
 
 def grid_table(ct2: dict[str, Any]) -> list[str]:

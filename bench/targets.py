@@ -56,7 +56,8 @@ def best_service(results: dict[str, Any], level: str) -> dict[str, Any] | None:
 def evaluate(results: dict[str, Any], top_concurrency: int, rss_limit_mb: float = 600.0) -> list[Target]:
     """The targets of the issues, computed from the harness's results (translation task).
 
-    Paths read: service/continuous and service/continuous_w<workers> closed/c<N> (the best of them), naive/closed/c1,
+    Paths read: service/continuous and service/continuous_w<workers> closed/c<N> (the best of them),
+    in_process/best (its grid's best point), naive/closed/c1,
     ctranslate2/int8_greedy_batch and int8_greedy_single, service/continuous/peak_rss_mb, and the
     open loops of service/continuous and service/dynamic.
     """
@@ -65,6 +66,7 @@ def evaluate(results: dict[str, Any], top_concurrency: int, rss_limit_mb: float 
     roofline = _get(results, "roofline", "service_fraction_int8")
     service_c1_p50 = _get(results, "service", "continuous", "closed", "c1", "latency_p50_s")
     ct2_batch = _get(results, "ctranslate2", "int8_greedy_batch", "sentences_per_s")
+    in_process = _get(results, "in_process", "best", "sentences_per_s")
     ct2_single_p50 = _get(results, "ctranslate2", "int8_greedy_single", "latency_p50_s")
     naive = _get(results, "naive", "closed", "c1", "sentences_per_s")
     naive_top = _get(results, "naive", "closed", f"c{top_concurrency}", "sentences_per_s")
@@ -77,6 +79,9 @@ def evaluate(results: dict[str, Any], top_concurrency: int, rss_limit_mb: float 
         Target("vs_ctranslate2_int8", f"service at concurrency {top_concurrency} (best batch-worker setting) / "
                "CTranslate2 int8 translate_batch (best point of its grid), sentences/s",
                ratio(service_top, ct2_batch), 1.0, True),
+        Target("in_process_vs_ctranslate2_int8", "ONNX in-process (best point of its grid) / CTranslate2 int8 "
+               "translate_batch (best point of its grid), sentences/s", ratio(in_process, ct2_batch), 1.3, True,
+               "" if in_process is not None else "in-process grid not measured"),
         Target("vs_naive_pytorch", f"service at concurrency {top_concurrency} / naive PyTorch server "
                "(best of its runs), sentences/s", ratio(service_top, naive_best), 5.0, True),
         Target("latency_c1_vs_ctranslate2", "service p50 at concurrency 1 / CTranslate2 int8 single-sentence "

@@ -52,7 +52,8 @@ whole batch's scale, so its tokens may depend on its neighbours.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import itertools
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, cast
 
@@ -444,3 +445,34 @@ class SlotBatch(Generic[Owner]):
             new_vector = np.zeros(rows, dtype=np.int64)
             new_vector[:live] = getattr(self, name)[:live]
             setattr(self, name, new_vector)
+
+
+def generate_running(runtime: Runtime, sources: Iterable[tuple[Owner, list[int]]], rows: int = 64,
+                     max_new_tokens: int | None = None, shortlist_rows: int = 0,
+                     join_at: int = 1) -> Iterator[tuple[Owner, GenerationResult]]:
+    """Greedy decoding of `sources` ((owner, ids ending with EOS) pairs) in-process through one
+    `SlotBatch` of at most `rows` slots, as the server's running batch decodes them, without a
+    server: before each step, once at least `join_at` slots are free (or none is taken), the
+    next sources take the free slots (encoded together, `concatenate`). Yields each
+    (owner, result) as its row finishes.
+
+    `sources` is read lazily, as slots free up, so several threads may share one iterator (read
+    under a lock) and each run its own batch: replicas dividing a workload as it goes, as
+    CTranslate2's `inter_threads` divide `translate_batch`'s batches."""
+    if rows < 1 or join_at < 1:
+        raise ValueError(f"rows and join_at must be >= 1, got {rows}, {join_at}")
+    limit = max_new_tokens or runtime.max_target_len
+    batch: SlotBatch[Owner] = SlotBatch(runtime, scores=False, rows=rows, shortlist_rows=shortlist_rows)
+    feed = iter(sources)
+    exhausted = False
+    while True:
+        free = rows - len(batch)
+        if not exhausted and (free >= join_at or not len(batch)):
+            newcomers = list(itertools.islice(feed, free))
+            exhausted = len(newcomers) < free
+            if newcomers:
+                batch.concatenate([source for _, source in newcomers], [owner for owner, _ in newcomers],
+                                  [limit] * len(newcomers))
+        if not len(batch):
+            return
+        yield from batch.generate_token()

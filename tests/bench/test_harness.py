@@ -45,6 +45,12 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     assert task["naive"]["closed"]["c1"]["sentences"] == 3 and task["naive"]["closed"]["c1"]["errors"] == 0
     assert task["in_process"]["b4"]["sentences"] == 6
     assert task["in_process"]["b4_length_sorted"]["target_tokens"] == task["in_process"]["b4"]["target_tokens"]
+    from bench import in_process
+    points = task["in_process"]["grid"]  # our in-process grid (sizes under 32: the largest, 4); its best is compared
+    assert [p["settings"] for p in points] == [s.to_dict() for s in in_process.settings_grid((4,))]
+    assert all(p["sentences"] == 6 for p in points)
+    assert task["in_process"]["best"] == max(points, key=lambda p: p["sentences_per_s"])
+    assert "in_process_vs_ctranslate2_int8" in {t["name"] for t in results["targets"]}
     variant = task["in_process"]["variant"]
     assert results["servers"]["service_continuous"]["variants"] == {
         "tiny-reverse": f"{variant} on CPUExecutionProvider"}

@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from bench.in_process import run_batches
+from bench.in_process import (
+    ENGINES,
+    InProcessSettings,
+    run_batches,
+    run_grid,
+    run_settings,
+    settings_grid,
+)
 from service.generation.search import generate
 
 
@@ -27,3 +34,33 @@ def test_run_batches_keeps_workload_order(tiny_runtime, batch_size: int, sort_by
 def test_run_batches_rejects_empty_batches(tiny_runtime) -> None:
     with pytest.raises(ValueError, match="batch_size"):
         run_batches(tiny_runtime, [[tiny_runtime.eos_id]], 0)
+
+
+def test_the_grid_covers_the_cores_with_both_engines() -> None:
+    grid = settings_grid((32, 64), cores=2)
+    assert {(s.replicas, s.threads) for s in grid} == {(1, 2), (2, 1)}
+    assert {(s.engine, s.size) for s in grid} == {(e, n) for e in ENGINES for n in (32, 64)}
+    assert (2, 2) in {(s.replicas, s.threads) for s in settings_grid((32,), cores=4)}
+    with pytest.raises(ValueError, match="engine"):
+        InProcessSettings("beams", 32)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_every_setting_gives_each_sentence_its_own_output(tiny_runtime, engine: str, replicas: int) -> None:
+    rng = random.Random(1)
+    sources = [[rng.randrange(4, 20) for _ in range(rng.randrange(3, 9))] + [tiny_runtime.eos_id]
+               for _ in range(11)]
+    stats, outputs = run_settings(tiny_runtime, sources, InProcessSettings(engine, 4, replicas))
+    one_by_one = [generate(tiny_runtime, [s], 1, tiny_runtime.max_target_len)[0] for s in sources]
+    assert [o.tokens for o in outputs] == [o.tokens for o in one_by_one]
+    assert stats.sentences == 11 and stats.target_tokens == sum(len(o.tokens) for o in one_by_one)
+    assert stats.latency_p95_s is not None and stats.latency_p95_s <= stats.elapsed_s + 1e-4
+
+
+def test_run_grid_reports_every_point_and_the_best(tiny_model_repository) -> None:
+    sources = [[5, 6, 7, 3], [8, 9, 3], [4, 4, 4, 4, 4, 3]]
+    grid = settings_grid((2,), cores=2)
+    result = run_grid(tiny_model_repository, sources, grid)
+    assert [p["settings"] for p in result["points"]] == [s.to_dict() for s in grid]
+    assert result["best"]["sentences_per_s"] == max(p["sentences_per_s"] for p in result["points"])

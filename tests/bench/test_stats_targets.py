@@ -55,6 +55,10 @@ def test_evaluate_reads_the_harness_layout() -> None:
     assert by_name["latency_c1_vs_ctranslate2"].ratio == pytest.approx(1.2)
     assert by_name["server_rss"].ratio == pytest.approx(0.75)
     assert by_name["continuous_p95"].status == "not measured"
+    assert by_name["in_process_vs_ctranslate2_int8"].status == "not measured"
+    results["in_process"] = {"b64": _run(500), "best": _run(125)}  # the grid's best counts, not other runs
+    in_process = {t.name: t for t in evaluate(results, top_concurrency=64)}["in_process_vs_ctranslate2_int8"]
+    assert (in_process.ratio, in_process.status) == (pytest.approx(1.25), "missed")
     results["service"]["continuous"]["closed"]["c64"] = _run(90)
     by_name = {t.name: t for t in evaluate(results, top_concurrency=64)}
     assert by_name["vs_ctranslate2_int8"].status == "missed"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from service.batching.running_batch import RunningBatch
-from service.batching.slot_batch import SlotBatch
+from service.batching.slot_batch import SlotBatch, generate_running
 from service.generation.search import GenerationResult, generate
 from service.runtime import ModelRuntime
 
@@ -179,3 +179,29 @@ def test_host_slots_keep_the_step_bound_while_the_rows_stay(tiny_runtime: ModelR
         np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
         seen.append(logits)
     assert seen[1] is seen[2] and seen[4] is not seen[2]  # one array per row count, from its second step
+
+
+@pytest.mark.parametrize("rows, join_at", [(1, 1), (3, 1), (4, 3), (64, 1)])
+def test_generate_running_gives_each_source_its_own_tokens(tiny_runtime: ModelRuntime, sources,
+                                                           rows: int, join_at: int) -> None:
+    taken: list[int] = []
+
+    def feed():  # counts what the batch has taken, to show it reads as slots free up
+        for i, source in enumerate(sources):
+            taken.append(i)
+            yield i, source
+
+    results: dict[int, GenerationResult] = {}
+    for owner, result in generate_running(tiny_runtime, feed(), rows=rows, max_new_tokens=14, join_at=join_at):
+        assert len(taken) - len(results) <= rows  # never more sources in flight than slots
+        results[owner] = result
+    assert sorted(results) == list(range(len(sources)))
+    for owner, source in enumerate(sources):
+        expected = _alone(tiny_runtime, source, 14)
+        assert (results[owner].tokens, results[owner].finish_reason) == (expected.tokens, expected.finish_reason)
+
+
+def test_generate_running_rejects_an_empty_batch(tiny_runtime: ModelRuntime, sources) -> None:
+    with pytest.raises(ValueError, match="rows and join_at"):
+        next(generate_running(tiny_runtime, enumerate(sources), rows=0))
+    assert list(generate_running(tiny_runtime, [], rows=4)) == []
