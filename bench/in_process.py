@@ -3,21 +3,30 @@ batcher; tuned over a grid as CTranslate2 is (engine, batch size, replicas x thr
 
 from __future__ import annotations
 
+import argparse
+import functools
+import json
+import logging
 import os
+import statistics
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from bench import machine
 from bench.stats import RunStats, summarise
 from service.batching.slot_batch import generate_running
 from service.generation.search import GenerationResult, generate
 from service.runtime import CPU, ModelRuntime
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def load_runtime(model_dir: Path, threads: int = 0, variant: str | None = None,
@@ -171,3 +180,109 @@ def run_grid(model_dir: Path, sources: list[list[int]], grid: Sequence[InProcess
             points.append({"settings": settings.to_dict(), **stats.to_dict()})
         del runtime
     return {"points": points, "best": max(points, key=lambda p: p["sentences_per_s"])}
+
+
+def parse_settings(text: str) -> InProcessSettings:
+    """`ENGINE:SIZE:REPLICAS:THREADS` (e.g. `running:64:2:1`) as settings."""
+    engine, *numbers = text.split(":")
+    if len(numbers) != 3 or not all(n.isdigit() for n in numbers):
+        raise ValueError(f"expected ENGINE:SIZE:REPLICAS:THREADS, got {text!r}")
+    size, replicas, threads = map(int, numbers)
+    return InProcessSettings(engine, size, replicas, threads)
+
+
+def turns(model_dir: Path, sources: list[list[int]], points: Sequence[InProcessSettings],
+          count: int, ctranslate2: Callable[[], RunStats] | None = None) -> dict[str, Any]:
+    """`points` (and CTranslate2's `run`, when given) in `count` alternating turns (A B C, C B A,
+    ...) on one machine state: each one's sentences/s per turn, and per turn the best point's
+    throughput over CTranslate2's."""
+    runtimes = {threads: load_runtime(model_dir, threads) for threads in dict.fromkeys(p.threads for p in points)}
+    runs: dict[str, Callable[[], RunStats]] = {
+        _name(p): functools.partial(_stats, runtimes[p.threads], sources, p) for p in points}
+    if ctranslate2 is not None:
+        runs[CTRANSLATE2] = ctranslate2
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for turn in range(count):
+        for name in (list(runs) if turn % 2 == 0 else list(runs)[::-1]):
+            rates[name].append(round(runs[name]().sentences_per_s, 1))
+            logger.info("turn %d %s: %.1f sentences/s", turn + 1, name, rates[name][-1])
+    result: dict[str, Any] = {"sentences": len(sources), "turns": count, "sentences_per_s": rates,
+                              "median": {name: statistics.median(values) for name, values in rates.items()}}
+    if ctranslate2 is not None:
+        ours = [max(rates[_name(p)][t] for p in points) for t in range(count)]
+        result["ratio_per_turn"] = [round(o / c, 3) for o, c in zip(ours, rates[CTRANSLATE2], strict=True)]
+        result["ratio_median"] = statistics.median(result["ratio_per_turn"])
+    return result
+
+
+CTRANSLATE2 = "CTranslate2"
+
+
+def _stats(runtime: ModelRuntime, sources: list[list[int]], settings: InProcessSettings) -> RunStats:
+    return run_settings(runtime, sources, settings)[0]
+
+
+def _name(settings: InProcessSettings) -> str:
+    return f"{settings.engine}:{settings.size}:{settings.replicas}:{settings.threads}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The turns as a markdown table: each run's median sentences/s and its range, and the ratio."""
+    lines = ["# In-process runs in alternating turns", "", f"Command: `{result['command']}`", "",
+             f"{result['sentences']} test sentences, {result['turns']} turns (A B C, C B A, ...), greedy, int8.", "",
+             "| run (engine:size:replicas:threads) | sentences/s, median (range) | per turn |", "|---|---|---|"]
+    for name, values in result["sentences_per_s"].items():
+        lines.append(f"| {name} | {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f}) | "
+                     f"{', '.join(f'{v:.1f}' for v in values)} |")
+    if "ratio_per_turn" in result:
+        lines += ["", (f"Best in-process point / CTranslate2, per turn: {', '.join(map(str, result['ratio_per_turn']))}; "
+                       f"median **{result['ratio_median']:.3f}** (target ≥ 1.3)."), ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.in_process`: in-process points (and CTranslate2) in alternating turns."""
+    parser = argparse.ArgumentParser(prog="python -m bench.in_process", description=main.__doc__)
+    parser.add_argument("--model", type=Path, default=Path("models/translate-en-it"))
+    parser.add_argument("--data-dir", type=Path, default=Path("data"))
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--points", nargs="+", default=["running:64:2:1", "batches:32:2:1"],
+                        help="ENGINE:SIZE:REPLICAS:THREADS each (default: the grid's best two points)")
+    parser.add_argument("--ctranslate2-setting", nargs=4, metavar=("REPLICAS", "THREADS", "BATCH", "TYPE"),
+                        help="also CTranslate2 int8 translate_batch at this setting (e.g. 2 1 32 examples)")
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        points = [parse_settings(text) for text in args.points]
+    except ValueError as exc:
+        parser.error(str(exc))
+    from bench import ctranslate2_runs
+    from bench import workload as workload_module
+    from model.tokenizer import Tokenizer
+    from service.repository.manifest import read_manifest
+
+    manifest = read_manifest(args.model)
+    tokenizer = Tokenizer.from_file(args.model / "tokenizer.model")
+    work = workload_module.load(args.data_dir, args.model.name, manifest.task, tokenizer, manifest.max_source_len,
+                                args.sentences)
+    with tempfile.TemporaryDirectory(prefix="ct2-") as scratch:
+        reference = None
+        if args.ctranslate2_setting:
+            replicas, threads, batch, batch_type = args.ctranslate2_setting
+            setting = ctranslate2_runs.Ct2Settings(int(replicas), int(threads), int(batch), batch_type)
+            pieces = [tokenizer.pieces(ids) for ids in work.source_ids]
+            reference = ctranslate2_runs.int8_greedy(args.model, Path(scratch), pieces, manifest.max_target_len, setting)
+        result = turns(args.model, work.source_ids, points, args.turns, reference)
+    result["command"] = "python -m bench.in_process " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["machine"] = machine.describe()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "in_process.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (args.out / "in_process.md").write_text(markdown(result), encoding="utf-8")
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise SystemExit(main())

@@ -17,6 +17,7 @@ probe can poll a liveness URL beside an open loop. Usage:
 
     python -m bench.load --url http://127.0.0.1:8000/v1/translate --rate 120 --duration 60
     python -m bench.load --url ... --concurrency 8 --duration 10 --json '{"text": "abc"}'
+    python -m bench.load --url ... --concurrency 64 --duration 50 --texts data/translate-en-it/test.src
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from bench.stats import RunStats, summarise
+from bench.workload import read_lines
 
 TRANSPORT_ERROR = 0  # the status recorded when no HTTP response came back
 REQUEST_TIMEOUT_S = 300.0
@@ -279,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__)
     parser.add_argument("--url", required=True)
     parser.add_argument("--json", default='{"text": "hello world"}', help="request body")
+    parser.add_argument("--texts", type=Path, help="bodies {\"text\": line} from this file's first 1,000 lines, "
+                        "sent in turn (instead of --json)")
     parser.add_argument("--rate", type=float, help="open loop: requests per second (evenly spaced)")
     parser.add_argument("--concurrency", type=int, help="closed loop: concurrent clients")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds")
@@ -290,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give exactly one of --rate and --concurrency")
     headers = dict(h.split(":", 1) for h in args.header)
     headers = {k.strip(): v.strip() for k, v in headers.items()}
-    bodies = [json.loads(args.json)]
+    bodies = text_bodies(read_lines(args.texts, 1000)) if args.texts else [json.loads(args.json)]
     if args.rate is not None:
         result = asyncio.run(open_loop(args.url, bodies, args.rate, args.duration, poisson=False,
                                        headers=headers, timeout_s=args.timeout,

@@ -5,7 +5,8 @@ format: one `frame;frame;... count` line per distinct stack, `py-spy record -f r
     python -m bench.profile_summary profile.raw --out bench/results/profile/c64.json
 
 A function's share is the fraction of samples (over all the server's threads) whose stack
-contains it, counted once per sample however deep it recurs.
+contains it, counted once per sample however deep it recurs. A profile recorded with py-spy's
+`--threads` (each stack's first frame names its thread) also gives each thread's share.
 """
 
 from __future__ import annotations
@@ -41,13 +42,28 @@ def shares(lines: list[str], functions: tuple[str, ...] = FUNCTIONS) -> tuple[in
     return total, {name: round(counts[name] / max(total, 1), 4) for name in functions}
 
 
+def thread_shares(lines: list[str]) -> dict[str, float]:
+    """Each thread's share of the samples, by its name (`--threads` profiles; empty otherwise)."""
+    counts: Counter[str] = Counter()
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        first = stack.split(";")[0]
+        if first.startswith("thread ("):
+            counts[first.split(": ", 1)[-1]] += int(count)
+    total = sum(counts.values())
+    return {name: round(n / total, 4) for name, n in counts.most_common()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_summary", description=__doc__.splitlines()[0])
     parser.add_argument("raw", type=Path, help="py-spy raw output")
     parser.add_argument("--out", type=Path, help="write the shares here as JSON")
     args = parser.parse_args(argv)
-    total, found = shares(args.raw.read_text().splitlines())
-    report = {"samples": total, "inclusive_share": found}
+    lines = args.raw.read_text().splitlines()
+    total, found = shares(lines)
+    report: dict[str, object] = {"samples": total, "inclusive_share": found}
+    if threads := thread_shares(lines):
+        report["thread_share"] = threads
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -9,11 +9,15 @@ import pytest
 from bench.in_process import (
     ENGINES,
     InProcessSettings,
+    markdown,
+    parse_settings,
     run_batches,
     run_grid,
     run_settings,
     settings_grid,
+    turns,
 )
+from bench.stats import RunStats, summarise
 from service.generation.search import generate
 
 
@@ -64,3 +68,26 @@ def test_run_grid_reports_every_point_and_the_best(tiny_model_repository) -> Non
     result = run_grid(tiny_model_repository, sources, grid)
     assert [p["settings"] for p in result["points"]] == [s.to_dict() for s in grid]
     assert result["best"]["sentences_per_s"] == max(p["sentences_per_s"] for p in result["points"])
+
+
+def test_parse_settings_reads_engine_size_replicas_threads() -> None:
+    assert parse_settings("running:64:2:1") == InProcessSettings("running", 64, 2, 1)
+    for bad in ("running:64:2", "running:a:2:1", "beams:64:2:1"):
+        with pytest.raises(ValueError):
+            parse_settings(bad)
+
+
+def test_turns_alternate_and_give_the_best_point_over_ctranslate2(tiny_model_repository) -> None:
+    sources = [[5, 6, 7, 3], [8, 9, 3]]
+    points = [InProcessSettings("running", 2, 1, 1), InProcessSettings("batches", 2, 1, 1)]
+    rates = iter([100.0, 50.0])  # CTranslate2's sentences/s in turn 1, then turn 2
+
+    def reference() -> RunStats:
+        return summarise([0.1], 1, 2 / next(rates), sentences=2)
+
+    result = turns(tiny_model_repository, sources, points, 2, reference)
+    assert list(result["sentences_per_s"]) == ["running:2:1:1", "batches:2:1:1", "CTranslate2"]
+    assert result["sentences_per_s"]["CTranslate2"] == [100.0, 50.0]
+    ours = [max(result["sentences_per_s"][p][t] for p in ("running:2:1:1", "batches:2:1:1")) for t in range(2)]
+    assert result["ratio_per_turn"] == [round(ours[0] / 100, 3), round(ours[1] / 50, 3)]
+    assert "**" in markdown({**result, "command": "x"})

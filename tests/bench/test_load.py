@@ -138,3 +138,20 @@ def test_merged_load_results_pool_requests_and_time() -> None:
     stats = first.stats()
     assert stats.sentences_per_s == pytest.approx(1.0)  # 3 answered in 3 s of slices
     assert first.error_samples == ["HTTP 500"]
+
+
+def test_the_command_sends_each_line_of_a_texts_file_as_a_body(tmp_path, monkeypatch, capsys) -> None:
+    import bench.load as load_module
+
+    texts = tmp_path / "test.src"
+    texts.write_text("first sentence\n\nsecond one\n", encoding="utf-8")
+    sent: list = []
+
+    async def fake_closed_loop(url, bodies, concurrency, duration_s, **options) -> LoadResult:
+        sent.extend(bodies)
+        return LoadResult(duration_s)
+
+    monkeypatch.setattr(load_module, "closed_loop", fake_closed_loop)
+    assert load_module.main(["--url", "http://x/v1/translate", "--concurrency", "2", "--texts", str(texts)]) == 0
+    assert sent == [{"text": "first sentence"}, {"text": "second one"}]
+    assert '"requests": 0' in capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.profile_summary import shares
+from bench.profile_summary import shares, thread_shares
 
 
 def test_a_function_counts_once_per_sample_however_deep_it_recurs() -> None:
@@ -14,3 +14,11 @@ def test_a_function_counts_once_per_sample_however_deep_it_recurs() -> None:
     total, found = shares(lines, ("run", "f", "g", "h"))
     assert total == 4
     assert found == {"run": 1.0, "f": 0.75, "g": 1.0, "h": 0.0}
+
+
+def test_threads_share_the_samples_by_name() -> None:
+    lines = ["thread (11): MainThread;run (a.py:1) 1",
+             "thread (12): batch-0;step (b.py:2) 2",
+             "thread (12): batch-0;join (b.py:3) 1", ""]
+    assert thread_shares(lines) == {"batch-0": 0.75, "MainThread": 0.25}
+    assert thread_shares(["run (a.py:1) 4"]) == {}  # recorded without --threads
