@@ -68,6 +68,7 @@ from service.batching.in_flight import (
     encode_newcomers,
     newcomer_order,
 )
+from service.core.settings import SHORTLIST_SHARE
 from service.generation.hooks import RowHooks
 from service.generation.search import BeamRow, GenerationResult, beam_candidates, log_softmax
 from service.runtime.device_slots import DeviceSlots, slot_graphs, step_dtypes, step_element_types
@@ -77,7 +78,6 @@ from service.runtime.step_buffers import HostSlots
 from service.runtime.tensors import Tensor
 
 QUANTUM = 32  # cache columns and source width grow to the next multiple of this, not by doubling
-SHORTLIST_SHARE = 0.25  # a step computes a shortlist of at most this share of the vocabulary
 
 
 def _doubled(size: int, needed: int) -> int:

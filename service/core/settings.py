@@ -22,6 +22,9 @@ CPU_PROVIDER = "CPUExecutionProvider"
 # (continuous batching) takes newcomers itself, and a worker per core gives it the lower latency.
 CPU_BATCH_WORKERS = 3  # request-level batching
 CPU_BATCH_WORKERS_CONTINUOUS = 2
+# A step computes the vocabulary shortlist only while it holds at most this share of the
+# vocabulary (bench/results/shortlist/served: a longer one costs what it saves).
+SHORTLIST_SHARE = 0.25
 
 
 def cpu_cores() -> int:
@@ -94,7 +97,7 @@ class Settings(BaseSettings):
         "vocabulary; 1, a row decoding alone, is the measured choice)",
     )
     shortlist_share: float = Field(
-        default=0.25, gt=0, le=1, description="continuous: the largest share of the vocabulary "
+        default=SHORTLIST_SHARE, gt=0, le=1, description="continuous: the largest share of the vocabulary "
         "a step's shortlist may hold to be used (a longer one costs what it saves)",
     )
     greedy_scores: bool = Field(
