@@ -277,17 +277,11 @@ class ShortlistTooCostly(ValueError):
 def decode_alone(runtime: ModelRuntime, sources: Sequence[Sequence[int]], shortlist: bool) -> list[list[int]]:
     """Each source's greedy tokens decoded alone through a `SlotBatch` of one row, over the
     runtime's shortlist (its own candidates and `always`) or the whole vocabulary."""
-    from service.batching.slot_batch import SlotBatch
+    from service.batching.slot_batch import generate_running
 
-    outputs: list[list[int]] = []
-    for source in sources:
-        batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=1, shortlist_rows=1 if shortlist else 0)
-        batch.concatenate([list(source)], [0], [runtime.max_target_len])
-        finished: list[tuple[int, Any]] = []
-        while not finished:
-            finished = batch.generate_token()
-        outputs.append(finished[0][1].tokens)
-    return outputs
+    alone = 1 if shortlist else 0  # the shortlist's rule: steps of at most this many rows
+    return [next(iter(generate_running(runtime, [(0, list(source))], rows=1, shortlist_rows=alone)))[1].tokens
+            for source in sources]
 
 
 def shortlist_quality(runtime: ModelRuntime, data_dir: str | Path, rows: int | None,
