@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -66,6 +67,7 @@ def run_batches(runtime: ModelRuntime, sources: list[list[int]], batch_size: int
 
 
 ENGINES = ("batches", "running")
+CTRANSLATE2 = "CTranslate2"  # its row in `turns`
 
 
 @dataclass(frozen=True)
@@ -215,9 +217,6 @@ def turns(model_dir: Path, sources: list[list[int]], points: Sequence[InProcessS
     return result
 
 
-CTRANSLATE2 = "CTranslate2"
-
-
 def _stats(runtime: ModelRuntime, sources: list[list[int]], settings: InProcessSettings) -> RunStats:
     return run_settings(runtime, sources, settings)[0]
 
@@ -274,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pieces = [tokenizer.pieces(ids) for ids in work.source_ids]
             reference = ctranslate2_runs.int8_greedy(args.model, Path(scratch), pieces, manifest.max_target_len, setting)
         result = turns(args.model, work.source_ids, points, args.turns, reference)
-    result["command"] = "python -m bench.in_process " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["command"] = shlex.join(["python", "-m", "bench.in_process", *(sys.argv[1:] if argv is None else argv)])
     result["machine"] = machine.describe()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "in_process.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

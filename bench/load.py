@@ -37,7 +37,6 @@ from typing import Any
 import aiohttp
 
 from bench.stats import RunStats, summarise
-from bench.workload import read_lines
 
 TRANSPORT_ERROR = 0  # the status recorded when no HTTP response came back
 REQUEST_TIMEOUT_S = 300.0
@@ -295,7 +294,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give exactly one of --rate and --concurrency")
     headers = dict(h.split(":", 1) for h in args.header)
     headers = {k.strip(): v.strip() for k, v in headers.items()}
-    bodies = text_bodies(read_lines(args.texts, 1000)) if args.texts else [json.loads(args.json)]
+    if args.texts:
+        from bench.workload import read_lines  # lazy: it brings the tokenizer, which loads need not
+
+        bodies = text_bodies(read_lines(args.texts, 1000))
+    else:
+        bodies = [json.loads(args.json)]
     if args.rate is not None:
         result = asyncio.run(open_loop(args.url, bodies, args.rate, args.duration, poisson=False,
                                        headers=headers, timeout_s=args.timeout,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,21 +88,29 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _points_table(points: list[dict[str, Any]], intro: str, columns: list[str],
+                  cells: Callable[[dict[str, Any]], list[Any]]) -> list[str]:
+    """A tuning grid as markdown lines: `intro`, then one row of `cells` per point, the one of
+    the highest sentences/s marked best."""
+    best = max(p["sentences_per_s"] for p in points)
+    lines = ["", intro, "", "| " + " | ".join(columns) + " | |", "|---" * (len(columns) + 1) + "|"]
+    for point in points:
+        mark = "best" if point["sentences_per_s"] == best else ""
+        lines.append("| " + " | ".join(str(c) for c in cells(point)) + f" | {mark} |")
+    return lines
+
+
 def in_process_grid_table(in_process: dict[str, Any]) -> list[str]:
     """Our in-process tuning grid as markdown lines: every point, the best marked (none without a grid)."""
     points = in_process.get("grid", [])
     if not points:
         return []
-    best = max(p["sentences_per_s"] for p in points)
-    lines = ["", ("ONNX in-process over its tuning grid (`batches`: request-level batches of similar length; "
-                  "`running`: a running batch of that many slots; the best point is compared in the targets):"), "",
-             "| engine | size | replicas | threads | sentences/s | p50 s | |", "|---|---|---|---|---|---|---|"]
-    for point in points:
-        s = point["settings"]
-        mark = "best" if point["sentences_per_s"] == best else ""
-        lines.append(f"| {s['engine']} | {s['size']} | {s['replicas']} | {s['threads']} | "
-                     f"{_cell(point['sentences_per_s'])} | {_cell(point['latency_p50_s'])} | {mark} |")
-    return lines
+    return _points_table(points, ("ONNX in-process over its tuning grid (`batches`: request-level batches of similar "
+                                  "length; `running`: a running batch of that many slots; the best point is compared "
+                                  "in the targets):"),
+                         ["engine", "size", "replicas", "threads", "sentences/s", "p50 s"],
+                         lambda p: [p["settings"]["engine"], p["settings"]["size"], p["settings"]["replicas"],
+                                    p["settings"]["threads"], _cell(p["sentences_per_s"]), _cell(p["latency_p50_s"])])
 
 
 def grid_table(ct2: dict[str, Any]) -> list[str]:
@@ -110,15 +118,12 @@ def grid_table(ct2: dict[str, Any]) -> list[str]:
     points = ct2.get("int8_greedy_grid", [])
     if not points:
         return []
-    best = max(p["sentences_per_s"] for p in points)
-    lines = ["", ("CTranslate2 int8 greedy `translate_batch` over its tuning grid (the best point is the "
-                  "baseline of the targets):"), "",
-             "| replicas (inter_threads) | intra_threads | batch | sentences/s | |", "|---|---|---|---|---|"]
-    for point in points:
-        s = point["settings"]
-        mark = "best" if point["sentences_per_s"] == best else ""
-        lines.append(f"| {s['inter_threads']} | {s['intra_threads']} | {s['max_batch_size']} {s['batch_type']} | "
-                     f"{_cell(point['sentences_per_s'])} | {mark} |")
+    lines = _points_table(points, ("CTranslate2 int8 greedy `translate_batch` over its tuning grid (the best point "
+                                   "is the baseline of the targets):"),
+                          ["replicas (inter_threads)", "intra_threads", "batch", "sentences/s"],
+                          lambda p: [p["settings"]["inter_threads"], p["settings"]["intra_threads"],
+                                     f"{p['settings']['max_batch_size']} {p['settings']['batch_type']}",
+                                     _cell(p["sentences_per_s"])])
     singles = ct2.get("int8_greedy_single_grid", [])
     if singles:
         lowest = min(p["latency_p50_s"] for p in singles)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 timing, outputs[name] = time_variant(variants[name], work.source_ids, args.alone, args.rows)
                 runs[name].append(timing)
     result: dict[str, Any] = {
-        "command": "python -m bench.weight_only " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": shlex.join(["python", "-m", "bench.weight_only", *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine.describe(), "sentences": len(work.source_ids), "alone": args.alone, "rows": args.rows,
         "runs": runs,
         "identical_to_fp32_alone": {name: sum(a == b for a, b in zip(out, outputs["fp32"], strict=True)) / len(out)
