@@ -33,7 +33,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from bench import machine
+from bench import gqa_cuda, machine, step_graph_parity
 from bench.in_process import load_runtime, run_batches
 from bench.load import closed_loop, text_bodies
 from bench.servers import ServerProcess, free_port, service_command
@@ -145,6 +145,14 @@ def ctranslate2_baseline(model_dir: Path, pieces: list[list[str]], batch_sizes: 
     return {"device": device, "version": ctranslate2.__version__, "compute_types": runs}
 
 
+def agreement(model_dir: Path, sources: list[list[int]], outputs: list[Any], max_new_tokens: int) -> dict[str, Any]:
+    """How many of `outputs` (greedy, on the provider) are the CPU fp32 variant's tokens."""
+    reference = load_runtime(model_dir, variant="fp32", providers=[CPU])
+    expected = run_batches(reference, sources, 64, max_new_tokens=max_new_tokens)[1]
+    identical = sum(o.tokens == e.tokens for o, e in zip(outputs, expected, strict=True))
+    return {"reference": "CPU fp32", "rows": len(expected), "identical": identical}
+
+
 def best_alternative(report: dict[str, Any]) -> tuple[str, float] | None:
     """The fastest same-device alternative run (name, sentences/s) of a model's report."""
     runs = [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s["sentences_per_s"])
@@ -166,8 +174,11 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     report: dict[str, Any] = {"model": model, "provider": runtime.provider, "variant": runtime.variant,
                               "sentences": len(texts)}
 
-    report["in_process"] = {str(b): run_batches(runtime, sources, b, max_new_tokens=max_new_tokens)[0].to_dict()
-                            for b in batch_sizes}
+    report["in_process"], outputs = {}, []
+    for b in batch_sizes:
+        stats, results = run_batches(runtime, sources, b, max_new_tokens=max_new_tokens)
+        report["in_process"][str(b)], outputs = stats.to_dict(), outputs or results
+    report["agreement"] = agreement(models / model, sources[:128], outputs[:128], max_new_tokens)
     pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes
     del runtime
     report["memory_after_in_process"] = gpu()
@@ -213,7 +224,21 @@ def markdown(results: dict[str, Any]) -> str:
              f"- command: `{results['command']}`",
              (f"- driver: {device.get('driver', '-')}; onnxruntime {results['onnxruntime']} "
               f"(providers {', '.join(results['onnxruntime_providers'])})"),
-             f"- gpu tests: {results['tests']}", ""]
+             f"- gpu tests: {results['tests']}"]
+    for provider, cases in results.get("step_graph_attention", {}).get("providers", {}).items():
+        errors = ", ".join(f"{name}: {c.get('error') or format(c['max_abs_error'], '.2g')}" for name, c in cases.items())
+        lines.append(f"- step graph's GroupQueryAttention on {provider}, largest error against numpy: {errors}")
+    for parity in results.get("step_graph_parity", []):
+        if "error" in parity:
+            lines.append(f"- step graph parity: {parity['error']}")
+            continue
+        first = parity["first_departing"][0]["node"] if parity["first_departing"] else "none"
+        lines.append(f"- {parity['model']} {parity['variant']} step graph on {parity['provider']} against the CPU"
+                     f"{' (totals fed from the host)' if parity['host_totals'] else ''}: {parity['departing_nodes']} "
+                     f"of {parity['nodes']} nodes depart (first: {first}), logits differ by at most "
+                     f"{parity['logits_max_abs_diff']:.3g}, same next token on {parity['same_next_token']} of "
+                     f"{parity['rows']} rows")
+    lines.append("")
     for report in results["models"]:
         lines += [(f"## {report['model']}: service on {report['service_provider']} ({report['service_variant']}), "
                    f"in-process on {report['provider']} ({report['variant']})"), "",
@@ -229,6 +254,10 @@ def markdown(results: dict[str, Any]) -> str:
             p50 = "-" if s["latency_p50_s"] is None else f"{s['latency_p50_s']:.4f}"
             p95 = "-" if s["latency_p95_s"] is None else f"{s['latency_p95_s']:.4f}"
             lines.append(f"| {name} | {s['sentences_per_s']:.1f} | {s['tokens_per_s']:.0f} | {p50} | {p95} |")
+        same = report.get("agreement")
+        if same:
+            lines += ["", (f"In-process outputs identical to the {same['reference']} variant's: "
+                           f"{same['identical']} of {same['rows']} sentences.")]
         memory = report.get("memory_during_service") or {}
         if ct2.get("error"):
             lines += ["", f"CTranslate2: {ct2['error']}"]
@@ -269,9 +298,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python -m bench.gpu_check", *(argv if argv is not None else sys.argv[1:])]),
         "provider": args.provider, "gpu": device, "machine": machine.describe(),
         "onnxruntime": ort.__version__, "onnxruntime_providers": ort.get_available_providers(),
-        "tests": "not run" if args.no_tests else run_gpu_tests(out), "models": [],
+        "tests": "not run" if args.no_tests else run_gpu_tests(out),
+        "step_graph_attention": gqa_cuda.check(), "step_graph_parity": [], "models": [],
     }
     for model in args.model or [TASK_MODELS[t] for t in args.tasks]:
+        if args.provider == CUDA:  # where the fp16 step graph departs from the CPU's, with and without host totals
+            results["step_graph_parity"] += [step_graph_parity.compare(args.models / model, "fp16", CUDA, host)
+                                             for host in (False, True)]
         results["models"].append(measure(args.models, model, args.texts, args.provider, args.sentences,
                                          args.concurrency, args.batch_sizes, out))
     (out / "gpu-check.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# Other distributions that install the same module (onnxruntime's CUDA build is `onnxruntime-gpu`)
+DISTRIBUTIONS = {"onnxruntime": ("onnxruntime", "onnxruntime-gpu")}
+
+
 def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
-    """Installed version of each package, None when it is not installed."""
+    """Version of each package: the imported module's `__version__` when it is imported (the one
+    in use, whichever distribution installed it), else the first installed distribution's; None
+    when it is not installed."""
     found: dict[str, str | None] = {}
     for name in packages:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
+        found[name] = getattr(sys.modules.get(name), "__version__", None)
+        for distribution in DISTRIBUTIONS.get(name, (name,)):
+            if found[name] is not None:
+                break
+            try:
+                found[name] = importlib.metadata.version(distribution)
+            except importlib.metadata.PackageNotFoundError:
+                pass
     return found
 
 

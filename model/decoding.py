@@ -56,9 +56,10 @@ def greedy_decode(
     results: list[Generation | None] = [None] * batch
     tokens: list[list[int]] = [[] for _ in range(batch)]
     scores = [0.0] * batch
-    active = torch.arange(batch)  # original row index of each row still decoding
+    device = source.device
+    active = torch.arange(batch, device=device)  # original row index of each row still decoding
     cache = start
-    prefix = torch.full((batch, 1), config.start_id, dtype=torch.long)  # (B_active, t+1)
+    prefix = torch.full((batch, 1), config.start_id, dtype=torch.long, device=device)  # (B_active, t+1)
     for step in range(max_new_tokens):
         if use_cache:
             output = model.decode(prefix[:, -1:], cache, need_weights=False)
@@ -80,7 +81,7 @@ def greedy_decode(
                 keep.append(i)
         if not keep:
             break
-        rows = torch.tensor(keep, dtype=torch.long)
+        rows = torch.tensor(keep, dtype=torch.long, device=device)
         active = active.index_select(0, rows)
         prefix = torch.cat([prefix.index_select(0, rows), best.index_select(0, rows)[:, None]], dim=1)
         if use_cache:

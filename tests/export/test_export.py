@@ -259,9 +259,8 @@ def test_fp16_on_cuda(trained_tiny, tiny_tokenizer: Path, tmp_path: Path) -> Non
     """fp16 variant on the CUDA execution provider: loads, and greedy tokens equal PyTorch's."""
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         pytest.skip("onnxruntime has no CUDA execution provider here")
-    from tiny_repository_model.decoding import greedy_decode, pad_batch
-
     from export.repository import write_repository
+    from model.decoding import greedy_decode, pad_batch
     from service.generation.search import generate
 
     out = tmp_path / "fp16"
