@@ -94,9 +94,12 @@ def _cached_self_attention_shapes(query: Tensor, key: Tensor, value: Tensor, pas
 
 def _cached_self_attention_onnx(query, key, value, past_key, past_value, lengths, n_heads: int):  # type: ignore[no-untyped-def]
     """The operator as onnxruntime's GroupQueryAttention: seqlens_k is each row's past length,
-    total_sequence_length the longest row's length after this step."""
+    total_sequence_length the cache's capacity. The kernel reads the total on the host and each
+    row's span from seqlens_k; a total taken from a shape is computed on the host, whereas one
+    reduced from `positions` is computed on the device and copied, and onnxruntime's CUDA kernel
+    then read a wrong total (`python -m bench.step_graph_parity`)."""
     seqlens = op.Cast(lengths, to=onnx.TensorProto.INT32)
-    total = op.Cast(op.Add(op.ReduceMax(lengths, keepdims=0), op.Constant(value_int=1)), to=onnx.TensorProto.INT32)
+    total = op.Cast(op.Squeeze(op.Slice(op.Shape(past_key), _ints(2), _ints(3))), to=onnx.TensorProto.INT32)
     return _GROUP_QUERY_ATTENTION(query, key, value, past_key, past_value, seqlens, total,
                                   num_heads=n_heads, kv_num_heads=n_heads, _num_outputs=3)
 

@@ -47,6 +47,7 @@ from service.runtime.providers import (
     CUDA,
     DEFAULT_PROVIDERS,
     STEP_CACHE_TYPES,
+    STEP_GRAPH_BY_DEFAULT,
     VARIANT_PREFERENCE,
     cuda_unavailable_reason,
     prepare_cuda,
@@ -460,7 +461,8 @@ def _usable_step(name: str, step: ort.InferenceSession | None, provider: str,
     """The step session to serve with: None when `wanted` is False, or None and the type of its
     cache (and, when its cross-attention is `GroupQueryAttention` too, i.e. it has the
     `present_cross_*` outputs, of its cross keys/values) is not one of `STEP_CACHE_TYPES` of the
-    provider (its attention would leave the device)."""
+    provider (its attention would leave the device) or the provider serves none by default
+    (`STEP_GRAPH_BY_DEFAULT`)."""
     if step is None or wanted is False:
         return None
     types = {i.name: i.type for i in step.get_inputs()}
@@ -472,6 +474,10 @@ def _usable_step(name: str, step: ort.InferenceSession | None, provider: str,
         logger.info("%s: the step graph's attention (%s) has no %s kernel: continuous batching on "
                     "the merged decoder", name, ", ".join(f"{n} {k}" for n, k in zip(attended, kinds, strict=True)),
                     provider)
+        return None
+    if wanted is None and not STEP_GRAPH_BY_DEFAULT.get(provider, True):
+        logger.info("%s: the step graph is not served on %s by default: continuous batching on the merged "
+                    "decoder", name, provider)
         return None
     return step
 

@@ -257,14 +257,38 @@ def test_the_step_graph_is_served_where_its_attention_has_a_kernel(tiny_model_re
     assert ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32", step_graph=False).step is None
 
 
-def test_a_step_graph_whose_cross_attention_has_no_kernel_is_left_out() -> None:
-    """Cross-attention over each row's own source is `GroupQueryAttention` too: on CUDA both its
-    cache and its cross keys/values must be float16 (what `_usable_step` reads of a session:
-    its inputs' and outputs' names and types)."""
+def test_cuda_serves_the_step_graph_only_when_asked_until_verified() -> None:
+    """A float16 step graph, whose attention has a CUDA kernel, is served on CUDA when asked for
+    (`step_graph=True`) and not by default (`STEP_GRAPH_BY_DEFAULT`)."""
     from types import SimpleNamespace
 
     from service.runtime import CUDA
     from service.runtime.model_runtime import _usable_step
+    from service.runtime.providers import STEP_GRAPH_BY_DEFAULT
+
+    class Graph:
+        def get_inputs(self) -> list[SimpleNamespace]:
+            return [SimpleNamespace(name="past_key.0", type="tensor(float16)")]
+
+        def get_outputs(self) -> list[SimpleNamespace]:
+            return [SimpleNamespace(name="logits", type="tensor(float16)")]
+
+    graph = Graph()
+    assert STEP_GRAPH_BY_DEFAULT[CUDA] is False
+    assert _usable_step("m", graph, CUDA, None) is None
+    assert _usable_step("m", graph, CUDA, True) is graph
+
+
+def test_a_step_graph_whose_cross_attention_has_no_kernel_is_left_out(monkeypatch) -> None:
+    """Cross-attention over each row's own source is `GroupQueryAttention` too: on CUDA both its
+    cache and its cross keys/values must be float16 (what `_usable_step` reads of a session:
+    its inputs' and outputs' names and types). Checked as if CUDA served step graphs by default."""
+    from types import SimpleNamespace
+
+    from service.runtime import CUDA, model_runtime
+    from service.runtime.model_runtime import _usable_step
+
+    monkeypatch.setitem(model_runtime.STEP_GRAPH_BY_DEFAULT, CUDA, True)
 
     class Graph:  # a session's inputs and outputs (weak-referenceable, as sessions are)
         def __init__(self, cache: str, cross: str, cross_outputs: bool) -> None:
@@ -393,7 +417,7 @@ def test_device_slots_on_cuda_decode_what_host_slots_decode(tiny_runtime: ModelR
 @pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu with CUDAExecutionProvider")
 def test_no_step_copies_the_cache_between_host_and_device(tiny_runtime: ModelRuntime, tiny_model_repository,
                                                           sources, tmp_path) -> None:
-    """A float16 step graph on CUDA (served by default: its attention has a CUDA kernel) with its
+    """A float16 step graph on CUDA (its attention has a CUDA kernel; served when asked) with its
     slots on the GPU: onnxruntime's profiler of the step session sees no Memcpy node move a
     cache or cross key/value tensor (4-D, heads by head_dim), and only a few small copies per
     step (the ids, positions, mask and logits cross by IO binding, not by Memcpy nodes)."""
@@ -403,7 +427,7 @@ def test_no_step_copies_the_cache_between_host_and_device(tiny_runtime: ModelRun
     cuda = ModelRuntime.load(tiny_model_repository, [CUDA], variant="fp32", step_graph=False)
     step = _fp16_step(tiny_model_repository, [(CUDA, {"device_id": str(cuda.device_id)}), CPU],
                       str(tmp_path / "step"))
-    assert _usable_step("tiny", step, CUDA, None) is step
+    assert _usable_step("tiny", step, CUDA, True) is step
     runtime = dataclasses.replace(cuda, step=step)
     runtime.warmup()
     limits = [12] * len(sources)
@@ -431,11 +455,11 @@ def test_no_step_copies_the_cache_between_host_and_device(tiny_runtime: ModelRun
 @pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu with CUDAExecutionProvider")
 def test_the_fp16_variant_batches_on_its_step_graph_on_cuda(tiny_runtime: ModelRuntime, tiny_fp16_repository,
                                                              sources) -> None:
-    """CUDA prefers the fp16 variant, and serves its step graph by default (its float16 cache has
-    a CUDA attention kernel), the slots on the GPU; the rows decode the float32 tokens on most rows."""
+    """CUDA prefers the fp16 variant, and its step graph (its float16 cache has a CUDA attention
+    kernel) runs with the slots on the GPU; the rows decode the float32 tokens on most rows."""
     from service.runtime import CUDA
 
-    cuda = ModelRuntime.load(tiny_fp16_repository, [CUDA, CPU], variant="fp16")
+    cuda = ModelRuntime.load(tiny_fp16_repository, [CUDA, CPU], variant="fp16", step_graph=True)
     assert (cuda.provider, cuda.device, cuda.variant) == (CUDA, "cuda", "fp16")
     assert cuda.step is not None and CUDA in cuda.step.get_providers()
     cuda.warmup()
