@@ -4,7 +4,8 @@
    a GPU, or with onnxruntime's CPU build, it says why and exits 0 (`--require-gpu`: exits 1).
 2. The `gpu`-marked tests (`pytest -m gpu`), their JUnit XML kept beside the results.
 3. A short benchmark on the provider, in one run: the service over HTTP at each
-   `--concurrency` (its p50 at concurrency 1 is the single-request latency); the service's
+   `--concurrency` (its p50 at concurrency 1 is the single-request latency), and at the top one
+   with each other `--service-batch-sizes` as its rows per batch; the service's
    graphs in-process at each `--batch-sizes`; and the alternatives that run on the same GPU
    without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
    the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
@@ -163,8 +164,9 @@ def best_alternative(report: dict[str, Any]) -> tuple[str, float] | None:
 
 
 def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences: int, concurrency: list[int],
-            batch_sizes: list[int], out: Path) -> dict[str, Any]:
-    """Steps 3 of the module docstring for one model."""
+            batch_sizes: list[int], out: Path, service_batch_sizes: tuple[int, ...] = (64,)) -> dict[str, Any]:
+    """Steps 3 of the module docstring for one model; the service with each of
+    `service_batch_sizes` as its rows per batch (the first at every concurrency)."""
     manifest = read_manifest(models / model)
     runtime = load_runtime(models / model, providers=[provider] if provider == CPU else [provider, CPU])
     workload = load_workload(texts_dir, model, manifest.task, runtime.tokenizer, manifest.max_source_len, sentences)
@@ -183,28 +185,38 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     del runtime
     report["memory_after_in_process"] = gpu()
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
-    command = service_command(models, port, providers=[provider] if provider == CPU else [provider, CPU],
-                              max_queue_size=max(4096, 4 * max(concurrency)))
-    with ServerProcess(command, port, out / f"service-{model}.log") as server:
-        info = json.loads(_get(server.url + "/v1/models"))
-        served = next(m for m in info["models"] if m["name"] == model)
-        report["service_provider"], report["service_variant"] = served["provider"], served["variant"]
-        report["service"] = {}
-        for clients in concurrency:
-            result = asyncio.run(closed_loop(url, text_bodies(texts), clients))
-            report["service"][str(clients)] = result.stats().to_dict()
-        report["memory_during_service"] = gpu()
-        report["service_peak_rss_mib"] = server.rss.peak_bytes / 2**20 if server.rss else None
+    providers = [provider] if provider == CPU else [provider, CPU]
+    for rows in service_batch_sizes:  # the first at every concurrency, the others at the top one
+        port = free_port()
+        url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
+        command = service_command(models, port, providers=providers, max_queue_size=max(4096, 4 * max(concurrency)))
+        command += ["--max-batch-size", str(rows), "--max-batch-tokens", str(rows * manifest.max_source_len)]
+        with ServerProcess(command, port, out / f"service-{model}-{rows}.log") as server:
+            if rows == service_batch_sizes[0]:
+                info = json.loads(_get(server.url + "/v1/models"))
+                served = next(m for m in info["models"] if m["name"] == model)
+                report["service_provider"], report["service_variant"] = served["provider"], served["variant"]
+                report["service"] = {}
+                for clients in concurrency:
+                    result = asyncio.run(closed_loop(url, text_bodies(texts), clients))
+                    report["service"][str(clients)] = result.stats().to_dict()
+                report["memory_during_service"] = gpu()
+                report["service_peak_rss_mib"] = server.rss.peak_bytes / 2**20 if server.rss else None
+                report["service_batch_sizes"] = {str(rows): report["service"][str(max(concurrency))]}
+            else:
+                result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
+                report["service_batch_sizes"][str(rows)] = result.stats().to_dict()
+                report[f"memory_during_service_{rows}"] = gpu()
 
     device = "cuda" if provider == CUDA else "cpu"
     report["pytorch"] = torch_baseline(models / model, sources, batch_sizes, max_new_tokens, device)
     if manifest.task == "translate":
         report["ctranslate2"] = ctranslate2_baseline(models / model, pieces, batch_sizes, max_new_tokens, device)
     best = best_alternative(report)
-    top = report["service"][str(max(concurrency))]["sentences_per_s"]
+    rows, top = max(((int(r), s["sentences_per_s"]) for r, s in report["service_batch_sizes"].items()),
+                    key=lambda run: run[1])
     report["target"] = {"service_concurrency": max(concurrency), "service_sentences_per_s": top,
+                        "service_max_batch_size": rows,
                         "best_alternative": best[0] if best else None,
                         "ratio": top / best[1] if best and best[1] else None, "bound": 1.0}
     return report
@@ -243,7 +255,12 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [(f"## {report['model']}: service on {report['service_provider']} ({report['service_variant']}), "
                    f"in-process on {report['provider']} ({report['variant']})"), "",
                   "| run | sentences/s | tokens/s | p50 s | p95 s |", "|---|---|---|---|---|"]
-        rows = [(f"service, concurrency {c}", s) for c, s in report["service"].items()]
+        grid = report.get("service_batch_sizes", {})  # absent from reports written before the grid
+        first = next(iter(grid), None)
+        suffix = f", {first} rows per batch" if len(grid) > 1 else ""
+        rows = [(f"service, concurrency {c}{suffix}", s) for c, s in report["service"].items()]
+        rows += [(f"service, concurrency {max(map(int, report['service']))}, {b} rows per batch", s)
+                 for b, s in grid.items() if b != first]
         rows += [(f"ONNX in-process, batch {b}", s) for b, s in report["in_process"].items()]
         rows += [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s)
                  for b, s in report["pytorch"]["batches"].items()]
@@ -264,7 +281,8 @@ def markdown(results: dict[str, Any]) -> str:
         target = report.get("target", {})
         if target.get("ratio") is not None:
             status = "met" if target["ratio"] >= target["bound"] else "missed"
-            lines += ["", (f"Service at concurrency {target['service_concurrency']} / best alternative "
+            lines += ["", (f"Service at concurrency {target['service_concurrency']} "
+                           f"({target.get('service_max_batch_size', 64)} rows per batch) / best alternative "
                            f"({target['best_alternative']}): **{target['ratio']:.2f}** (bound ≥ 1.0: {status}).")]
         lines += ["", (f"GPU memory in use while serving: {memory.get('memory_used_mib', '-')} MiB "
                        f"of {memory.get('memory_total_mib', '-')}."), ""]
@@ -283,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sentences", type=int, default=1024)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--service-batch-sizes", type=int, nargs="+", default=[64, 256],
+                        help="the service's --max-batch-size: the first at every concurrency, the others at the top one")
     parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 instead of 0 when it cannot run")
     args = parser.parse_args(argv)
@@ -306,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             results["step_graph_parity"] += [step_graph_parity.compare(args.models / model, "fp16", CUDA, host)
                                              for host in (False, True)]
         results["models"].append(measure(args.models, model, args.texts, args.provider, args.sentences,
-                                         args.concurrency, args.batch_sizes, out))
+                                         args.concurrency, args.batch_sizes, out, tuple(args.service_batch_sizes)))
     (out / "gpu-check.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (out / "gpu-check.md").write_text(markdown(results), encoding="utf-8")
     print(f"wrote {out / 'gpu-check.md'}")

@@ -30,14 +30,20 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     out = tmp_path / "out"
     status = gpu_check.main(["--provider", CPU, "--models", str(models), "--texts", str(tmp_path / "texts"),
                              "--model", "tiny", "--out", str(out), "--sentences", "24", "--concurrency", "1", "4",
-                             "--batch-sizes", "8", "--no-tests"])
+                             "--batch-sizes", "8", "--service-batch-sizes", "8", "16", "--no-tests"])
     assert status == 0
     (folder,) = out.iterdir()
     results = json.loads((folder / "gpu-check.json").read_text())
     (report,) = results["models"]
     assert report["provider"] == report["service_provider"] == CPU
     assert set(report["service"]) == {"1", "4"} and set(report["in_process"]) == {"8"}
-    for stats in [*report["service"].values(), *report["in_process"].values(), *report["pytorch"]["batches"].values()]:
+    # the service's rows per batch: 8 at every concurrency, 16 at the top one; the best of them is compared
+    assert report["service_batch_sizes"]["8"] == report["service"]["4"] and set(report["service_batch_sizes"]) == {"8", "16"}
+    grid = {int(b): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
+    assert report["target"]["service_max_batch_size"] == max(grid, key=grid.__getitem__)
+    assert report["target"]["service_sentences_per_s"] == max(grid.values())
+    for stats in [*report["service"].values(), *report["service_batch_sizes"].values(), *report["in_process"].values(),
+                  *report["pytorch"]["batches"].values()]:
         assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
     # the same-device alternatives: CTranslate2 on the CPU (int8) beside PyTorch, and the target line
     assert set(report["ctranslate2"]["compute_types"]) == {"int8"}
@@ -45,5 +51,6 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert report["target"]["service_concurrency"] == 4 and report["target"]["ratio"] > 0
     assert report["target"]["best_alternative"].startswith(("CTranslate2", "PyTorch"))
     text = (folder / "gpu-check.md").read_text()
-    assert "| service, concurrency 4 |" in text and "| CTranslate2 int8, batch 8 |" in text
-    assert "Service at concurrency 4 / best alternative" in text
+    assert "| service, concurrency 4, 8 rows per batch |" in text and "| CTranslate2 int8, batch 8 |" in text
+    assert "| service, concurrency 4, 16 rows per batch |" in text
+    assert "Service at concurrency 4 (" in text and "rows per batch) / best alternative" in text
