@@ -186,13 +186,21 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     report["memory_after_in_process"] = gpu()
 
     providers = [provider] if provider == CPU else [provider, CPU]
-    for rows in service_batch_sizes:  # the first at every concurrency, the others at the top one
+    # the first rows per batch at every concurrency, the others at the top one; on CUDA the first
+    # once more on the step graph (asked for: not served there by default)
+    runs = [(rows, False) for rows in service_batch_sizes] + [(service_batch_sizes[0], True)] * (provider == CUDA)
+    for rows, step_graph in runs:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
         command = service_command(models, port, providers=providers, max_queue_size=max(4096, 4 * max(concurrency)))
         command += ["--max-batch-size", str(rows), "--max-batch-tokens", str(rows * manifest.max_source_len)]
-        with ServerProcess(command, port, out / f"service-{model}-{rows}.log") as server:
-            if rows == service_batch_sizes[0]:
+        command += ["--step-graph"] * step_graph
+        log = out / f"service-{model}-{rows}{'-step-graph' * step_graph}.log"
+        with ServerProcess(command, port, log) as server:
+            if step_graph:
+                result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
+                report["service_step_graph"] = {"max_batch_size": rows, str(max(concurrency)): result.stats().to_dict()}
+            elif rows == service_batch_sizes[0]:
                 info = json.loads(_get(server.url + "/v1/models"))
                 served = next(m for m in info["models"] if m["name"] == model)
                 report["service_provider"], report["service_variant"] = served["provider"], served["variant"]
@@ -261,6 +269,10 @@ def markdown(results: dict[str, Any]) -> str:
         rows = [(f"service, concurrency {c}{suffix}", s) for c, s in report["service"].items()]
         rows += [(f"service, concurrency {max(map(int, report['service']))}, {b} rows per batch", s)
                  for b, s in grid.items() if b != first]
+        stepped = report.get("service_step_graph")
+        if stepped:
+            rows += [(f"service on the step graph, concurrency {c}, {stepped['max_batch_size']} rows per batch", s)
+                     for c, s in stepped.items() if c != "max_batch_size"]
         rows += [(f"ONNX in-process, batch {b}", s) for b, s in report["in_process"].items()]
         rows += [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s)
                  for b, s in report["pytorch"]["batches"].items()]

@@ -56,6 +56,11 @@ class Settings(BaseSettings):
         default=False, description="onnxruntime's idle intra-op threads spin (else they sleep "
         "and leave the cores to the event loop)",
     )
+    step_graph: bool | None = Field(
+        default=None, description="continuous batching on the step graph: unset = where the provider "
+        "serves it by default (the CPU, not yet CUDA), true = wherever its attention has a kernel, "
+        "false = on the merged decoder",
+    )
     cpu_memory_arena: bool = Field(
         default=False, description="onnxruntime keeps its largest batch's CPU buffers (faster "
         "by a few %, but the RSS stays at its peak)",

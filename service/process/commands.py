@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "batch_workers", "max_batch_size",
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "length_routing",
-    "max_join_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "request_timeout_s",
+    "max_join_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "step_graph",
+    "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
     "max_large_responses", "public_metadata",
@@ -54,6 +55,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--spinning", action=argparse.BooleanOptionalAction,
                    help="let onnxruntime's idle threads spin between calls (default off: they "
                    "sleep, leaving the cores to the HTTP event loop)")
+    p.add_argument("--step-graph", action=argparse.BooleanOptionalAction,
+                   help="continuous batching on the step graph (default: where the provider serves it "
+                   "by default, the CPU; CUDA only when asked, until verified on a GPU)")
     p.add_argument("--cpu-memory-arena", action=argparse.BooleanOptionalAction,
                    help="let onnxruntime keep its largest batch's CPU buffers (default off: "
                    "lower RSS, a few %% slower)")

@@ -46,6 +46,22 @@ def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert settings.providers == DEFAULT_PROVIDERS
 
 
+def test_the_step_graph_setting_reaches_the_runtime(monkeypatch: pytest.MonkeyPatch, tiny_model_repository: Path) -> None:
+    """`--step-graph`/`--no-step-graph` (or ATTNSERVE_STEP_GRAPH) decide whether continuous
+    batching runs on the step graph; unset, the provider's default (the CPU serves it)."""
+    from service.core.registry import onnx_loader
+
+    parse = build_parser().parse_args
+    assert commands.settings_from_args(parse(["serve"])).step_graph is None
+    assert commands.settings_from_args(parse(["serve", "--step-graph"])).step_graph is True
+    assert commands.settings_from_args(parse(["serve", "--no-step-graph"])).step_graph is False
+    base = {"providers": ("CPUExecutionProvider",), "threads": 1, "variant": "fp32"}
+    assert onnx_loader(Settings(**base))(tiny_model_repository).step is not None
+    assert onnx_loader(Settings(**base, step_graph=False))(tiny_model_repository).step is None
+    monkeypatch.setenv("ATTNSERVE_STEP_GRAPH", "false")
+    assert Settings().step_graph is False
+
+
 @pytest.mark.parametrize(
     "bad",
     [{"max_batch_size": 0}, {"providers": ""}, {"max_texts": 20, "max_queue_size": 10},
