@@ -199,7 +199,8 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         with ServerProcess(command, port, log) as server:
             if step_graph:
                 result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
-                report["service_step_graph"] = {"max_batch_size": rows, str(max(concurrency)): result.stats().to_dict()}
+                report["service_step_graph"] = {"max_batch_size": rows, "concurrency": max(concurrency),
+                                                "stats": result.stats().to_dict()}
             elif rows == service_batch_sizes[0]:
                 info = json.loads(_get(server.url + "/v1/models"))
                 served = next(m for m in info["models"] if m["name"] == model)
@@ -271,8 +272,8 @@ def markdown(results: dict[str, Any]) -> str:
                  for b, s in grid.items() if b != first]
         stepped = report.get("service_step_graph")
         if stepped:
-            rows += [(f"service on the step graph, concurrency {c}, {stepped['max_batch_size']} rows per batch", s)
-                     for c, s in stepped.items() if c != "max_batch_size"]
+            name = f"service on the step graph, concurrency {stepped['concurrency']}, {stepped['max_batch_size']} rows per batch"
+            rows.append((name, stepped["stats"]))
         rows += [(f"ONNX in-process, batch {b}", s) for b, s in report["in_process"].items()]
         rows += [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s)
                  for b, s in report["pytorch"]["batches"].items()]

@@ -55,5 +55,5 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "| service, concurrency 4, 16 rows per batch |" in text
     assert "Service at concurrency 4 (" in text and "rows per batch) / best alternative" in text
     assert "service_step_graph" not in report  # on CUDA only: the service asked for the step graph
-    report["service_step_graph"] = {"max_batch_size": 8, "4": report["service"]["4"]}
+    report["service_step_graph"] = {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}
     assert "| service on the step graph, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
