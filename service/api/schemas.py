@@ -312,6 +312,10 @@ class ModelCard(BaseModel):
     variant: str | None
     max_source_len: int | None
     max_target_len: int | None
+    step_graph: bool | None = Field(
+        default=None, description="continuous batching runs on the step graph (else on the merged decoder)")
+    gpu_memory_limit_mb: int | None = Field(
+        default=None, description="cap of each CUDA session's memory arena in MiB (on CUDA; 0 = none)")
     error: str | None
     batching: BatchCounters
 

@@ -56,6 +56,7 @@ def onnx_loader(settings: Settings) -> Loader:
             path, providers=list(settings.providers), threads=settings.session_threads(),
             variant=settings.variant, spinning=settings.spinning,
             memory_arena=settings.cpu_memory_arena, step_graph=settings.step_graph,
+            gpu_memory_limit_mb=settings.gpu_memory_limit_mb,
             shortlist=settings.continuous_batching and settings.shortlist_rows > 0,
         )
         return runtime

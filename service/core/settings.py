@@ -61,6 +61,10 @@ class Settings(BaseSettings):
         "serves it by default (the CPU, not yet CUDA), true = wherever its attention has a kernel, "
         "false = on the merged decoder",
     )
+    gpu_memory_limit_mb: int = Field(
+        default=0, ge=0, description="cap of onnxruntime's CUDA memory arena per session (a model's "
+        "encoder, decoder and step graph each), in MiB; 0 = no cap",
+    )
     cpu_memory_arena: bool = Field(
         default=False, description="onnxruntime keeps its largest batch's CPU buffers (faster "
         "by a few %, but the RSS stays at its peak)",

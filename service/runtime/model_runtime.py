@@ -50,6 +50,7 @@ from service.runtime.providers import (
     STEP_GRAPH_BY_DEFAULT,
     VARIANT_PREFERENCE,
     cuda_unavailable_reason,
+    execution_providers,
     prepare_cuda,
     session_options,
 )
@@ -111,6 +112,7 @@ class ModelRuntime:
         io_binding: bool | None = None,
         step_graph: bool | None = None,
         shortlist: bool = False,
+        gpu_memory_limit_mb: int = 0,
     ) -> ModelRuntime:
         """Read the manifest, verify every file's sha256, pick provider and variant, build sessions.
 
@@ -127,6 +129,7 @@ class ModelRuntime:
         provider; None: with it when its cache type is one of `STEP_CACHE_TYPES` of the provider.
         `shortlist` loads the variant's vocabulary shortlist (`service.runtime.shortlist`) when it
         has one and its step graph serves on the CPU (`SlotBatch` uses it with host slots only).
+        `gpu_memory_limit_mb` caps each CUDA session's memory arena (`execution_providers`).
         """
         started = time.perf_counter()
         directory = Path(model_dir)
@@ -154,7 +157,8 @@ class ModelRuntime:
                 continue
             try:
                 encoder, decoder, step = _sessions(directory, manifest.variants[chosen], provider, threads, spinning,
-                                                   memory_arena, profile_prefix, fold_dequantize=chosen == "int8")
+                                                   memory_arena, profile_prefix, fold_dequantize=chosen == "int8",
+                                                   gpu_memory_limit_mb=gpu_memory_limit_mb)
             except ModelLoadError as error:
                 if provider == usable[-1]:
                     raise
@@ -420,12 +424,12 @@ def _choose_variant(manifest: Manifest, provider: str, forced: str | None) -> st
 
 def _sessions(directory: Path, variant: Variant, provider: str, threads: int,
               spinning: bool = True, memory_arena: bool = True, profile_prefix: str | None = None,
-              fold_dequantize: bool = False) -> tuple[ort.InferenceSession, ort.InferenceSession,
-                                                      ort.InferenceSession | None]:
+              fold_dequantize: bool = False, gpu_memory_limit_mb: int = 0
+              ) -> tuple[ort.InferenceSession, ort.InferenceSession, ort.InferenceSession | None]:
     """Encoder, decoder and (when the variant has one) step-graph sessions; a step graph that
     cannot load on a provider other than the CPU is left out (None), not an error."""
     options = session_options(threads, spinning, memory_arena, fold_dequantize, profile_prefix)
-    providers = [provider] if provider == CPU else [provider, CPU]
+    providers = execution_providers(provider, gpu_memory_limit_mb)
     paths = [variant.encoder, variant.decoder]
     if variant.step_decoder:
         paths.append(variant.step_decoder)

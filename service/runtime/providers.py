@@ -65,6 +65,19 @@ def cuda_unavailable_reason(library: Path | None = None) -> str | None:
     return None
 
 
+def execution_providers(provider: str, gpu_memory_limit_mb: int = 0) -> list[str | tuple[str, dict[str, str]]]:
+    """The providers of a model session on `provider`: the CPU alone, or CUDA with the CPU
+    for the nodes CUDA has no kernel for. `gpu_memory_limit_mb` > 0 caps onnxruntime's CUDA
+    memory arena of the session at that many MiB, grown only as far as asked (each session has its
+    own arena: a model's encoder, decoder and step graph each get the cap)."""
+    if provider == CPU:
+        return [CPU]
+    if provider == CUDA and gpu_memory_limit_mb > 0:
+        options = {"gpu_mem_limit": str(gpu_memory_limit_mb << 20), "arena_extend_strategy": "kSameAsRequested"}
+        return [(CUDA, options), CPU]
+    return [provider, CPU]
+
+
 def session_options(threads: int, spinning: bool = True, memory_arena: bool = True,
                     fold_dequantize: bool = False, profile_prefix: str | None = None) -> ort.SessionOptions:
     """The options of every model session: all graph optimizations, `threads` intra-op threads

@@ -118,6 +118,10 @@ async def test_models_reports_the_provider_and_variant(
     assert card["provider"] == "CPUExecutionProvider"
     assert card["variant"] in {"int8", "fp32"}  # int8 on CPU when its quality is within bound
     assert (card["max_source_len"], card["max_target_len"]) == (16, 16)
+    assert card["step_graph"] is True and card["gpu_memory_limit_mb"] is None  # the CPU serves its step graph
+    async with serving(create_app(tiny_settings(served_tiny_models, step_graph=False))) as client:
+        [merged] = (await client.get("/v1/models")).json()["models"]
+    assert merged["step_graph"] is False
     assert f'attnserve_model_info{{model="{card["name"]}",provider="CPUExecutionProvider"' \
            in exposition
 

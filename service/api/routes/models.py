@@ -19,10 +19,11 @@ router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key_for_me
 @router.get("/v1/models", responses={401: {"model": ErrorBody}})
 async def list_models(registry: RegistryDep, settings: SettingsDep) -> ModelList:
     """The models found in the models folder, loaded or not."""
-    return ModelList(models=[_card(entry, settings.shortlist_rows) for entry in registry.entries])
+    return ModelList(models=[_card(entry, settings.shortlist_rows, settings.gpu_memory_limit_mb)
+                             for entry in registry.entries])
 
 
-def _card(entry: ModelEntry, shortlist_rows: int) -> ModelCard:
+def _card(entry: ModelEntry, shortlist_rows: int, gpu_memory_limit_mb: int) -> ModelCard:
     runtime, batcher = entry.runtime, entry.batcher
     counters = batcher.counters if batcher is not None else None
     continuous = batcher.continuous if batcher is not None else False
@@ -36,6 +37,8 @@ def _card(entry: ModelEntry, shortlist_rows: int) -> ModelCard:
         variant=runtime.variant if runtime else None,
         max_source_len=runtime.max_source_len if runtime else None,
         max_target_len=runtime.max_target_len if runtime else None,
+        step_graph=getattr(runtime, "step", None) is not None if runtime else None,
+        gpu_memory_limit_mb=gpu_memory_limit_mb if runtime and runtime.provider == "CUDAExecutionProvider" else None,
         error=entry.error,
         batching=BatchCounters(
             continuous=continuous,

@@ -62,6 +62,16 @@ def test_the_step_graph_setting_reaches_the_runtime(monkeypatch: pytest.MonkeyPa
     assert Settings().step_graph is False
 
 
+def test_the_gpu_memory_limit_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = build_parser().parse_args
+    assert commands.settings_from_args(parse(["serve"])).gpu_memory_limit_mb == 0
+    assert commands.settings_from_args(parse(["serve", "--gpu-memory-limit-mb", "2048"])).gpu_memory_limit_mb == 2048
+    monkeypatch.setenv("ATTNSERVE_GPU_MEMORY_LIMIT_MB", "1024")
+    assert Settings().gpu_memory_limit_mb == 1024
+    with pytest.raises(ValidationError):
+        Settings(gpu_memory_limit_mb=-1)
+
+
 @pytest.mark.parametrize(
     "bad",
     [{"max_batch_size": 0}, {"providers": ""}, {"max_texts": 20, "max_queue_size": 10},

@@ -47,3 +47,21 @@ def test_cpu_only_asks_nothing_of_cuda(tiny_model_repository: Path, caplog: pyte
     with caplog.at_level(logging.WARNING, logger="service.runtime"):
         assert ModelRuntime.load(tiny_model_repository, [CPU], threads=1).provider == CPU
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_gpu_memory_limit_caps_each_cuda_sessions_arena() -> None:
+    """`gpu_memory_limit_mb` becomes onnxruntime's CUDA provider options (bytes, grown as asked);
+    without it, or on the CPU, the providers are plain names."""
+    limited = providers.execution_providers(CUDA, 512)
+    assert limited == [(CUDA, {"gpu_mem_limit": str(512 * 2**20), "arena_extend_strategy": "kSameAsRequested"}), CPU]
+    assert providers.execution_providers(CUDA, 0) == [CUDA, CPU]
+    assert providers.execution_providers(CPU, 512) == [CPU]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(CUDA not in ort.get_available_providers(), reason="needs onnxruntime-gpu and a GPU")
+def test_the_cuda_sessions_take_the_limit(tiny_model_repository: Path) -> None:
+    runtime = ModelRuntime.load(tiny_model_repository, [CUDA, CPU], threads=1, gpu_memory_limit_mb=256)
+    assert runtime.provider == CUDA
+    for session in (runtime.encoder, runtime.decoder):
+        assert session.get_provider_options()[CUDA]["gpu_mem_limit"] == str(256 * 2**20)
