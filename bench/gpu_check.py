@@ -6,7 +6,7 @@
 3. A short benchmark on the provider, in one run: the service over HTTP at each
    `--concurrency` (its p50 at concurrency 1 is the single-request latency), and at the top one
    with each other `--service-batch-sizes` as its rows per batch; the service's
-   graphs in-process at each `--batch-sizes`; and the alternatives that run on the same GPU
+   graphs in-process at each `--batch-sizes` and one sentence at a time (the first 128); and the alternatives that run on the same GPU
    without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
    the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
    the repository's PyTorch model with its KV cache, batched, in fp16 autocast. The target line
@@ -45,6 +45,8 @@ from service.runtime import CPU, CUDA
 from service.runtime.providers import cuda_unavailable_reason, prepare_cuda
 
 TASK_MODELS = {"translate": "translate-en-it", "summarize": "summarize-en"}
+ALONE = 128  # sentences decoded one at a time in-process
+LATENCY_BOUND_S = 0.010  # p50 of a single request on a GPU
 
 
 def gpu() -> dict[str, str] | None:
@@ -181,6 +183,8 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         stats, results = run_batches(runtime, sources, b, max_new_tokens=max_new_tokens)
         report["in_process"][str(b)], outputs = stats.to_dict(), outputs or results
     report["agreement"] = agreement(models / model, sources[:128], outputs[:128], max_new_tokens)
+    # one sentence at a time: the engine's own latency, beside the service's at concurrency 1
+    report["in_process_alone"] = run_batches(runtime, sources[:ALONE], 1, max_new_tokens=max_new_tokens)[0].to_dict()
     pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes
     del runtime
     report["memory_after_in_process"] = gpu()
@@ -228,6 +232,10 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                         "service_max_batch_size": rows,
                         "best_alternative": best[0] if best else None,
                         "ratio": top / best[1] if best and best[1] else None, "bound": 1.0}
+    if "1" in report["service"]:  # the single request's latency (the bound: 10 ms on a GPU)
+        report["latency_target"] = {"service_p50_s": report["service"]["1"]["latency_p50_s"],
+                                    "in_process_alone_p50_s": report["in_process_alone"]["latency_p50_s"],
+                                    "bound_s": LATENCY_BOUND_S}
     return report
 
 
@@ -274,6 +282,9 @@ def markdown(results: dict[str, Any]) -> str:
         if stepped:
             name = f"service on the step graph, concurrency {stepped['concurrency']}, {stepped['max_batch_size']} rows per batch"
             rows.append((name, stepped["stats"]))
+        if "in_process_alone" in report:
+            alone = report["in_process_alone"]
+            rows.append((f"ONNX in-process, one sentence at a time ({alone['sentences']} sentences)", alone))
         rows += [(f"ONNX in-process, batch {b}", s) for b, s in report["in_process"].items()]
         rows += [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s)
                  for b, s in report["pytorch"]["batches"].items()]
@@ -297,6 +308,12 @@ def markdown(results: dict[str, Any]) -> str:
             lines += ["", (f"Service at concurrency {target['service_concurrency']} "
                            f"({target.get('service_max_batch_size', 64)} rows per batch) / best alternative "
                            f"({target['best_alternative']}): **{target['ratio']:.2f}** (bound ≥ 1.0: {status}).")]
+        latency = report.get("latency_target")
+        if latency and latency["service_p50_s"] is not None:
+            status = "met" if latency["service_p50_s"] <= latency["bound_s"] else "missed"
+            lines += ["", (f"p50 of a single request: service {latency['service_p50_s'] * 1000:.1f} ms, the graphs "
+                           f"in-process {latency['in_process_alone_p50_s'] * 1000:.1f} ms "
+                           f"(bound ≤ {latency['bound_s'] * 1000:.0f} ms: {status}).")]
         lines += ["", (f"GPU memory in use while serving: {memory.get('memory_used_mib', '-')} MiB "
                        f"of {memory.get('memory_total_mib', '-')}."), ""]
     return "\n".join(lines)

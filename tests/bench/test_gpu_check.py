@@ -42,6 +42,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     grid = {int(b): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
     assert report["target"]["service_max_batch_size"] == max(grid, key=grid.__getitem__)
     assert report["target"]["service_sentences_per_s"] == max(grid.values())
+    assert report["in_process_alone"]["sentences"] == 24 and report["in_process_alone"]["latency_p50_s"] > 0
     for stats in [*report["service"].values(), *report["service_batch_sizes"].values(), *report["in_process"].values(),
                   *report["pytorch"]["batches"].values()]:
         assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
@@ -53,6 +54,9 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     text = (folder / "gpu-check.md").read_text()
     assert "| service, concurrency 4, 8 rows per batch |" in text and "| CTranslate2 int8, batch 8 |" in text
     assert "| service, concurrency 4, 16 rows per batch |" in text
+    assert "| ONNX in-process, one sentence at a time (24 sentences) |" in text
+    assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
+    assert "p50 of a single request: service " in text
     assert "Service at concurrency 4 (" in text and "rows per batch) / best alternative" in text
     assert "service_step_graph" not in report  # on CUDA only: the service asked for the step graph
     report["service_step_graph"] = {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}
