@@ -5,7 +5,8 @@
 2. The `gpu`-marked tests (`pytest -m gpu`), their JUnit XML kept beside the results.
 3. A short benchmark on the provider, in one run: the service over HTTP at each
    `--concurrency` (its p50 at concurrency 1 is the single-request latency), and at the top one
-   with each other `--service-batch-sizes` as its rows per batch; the service's
+   with each other `--service-batch-sizes` as its rows per batch (on CUDA also in the other
+   batching modes of `SERVICE_MODES`); the service's
    graphs in-process at each `--batch-sizes` and one sentence at a time (the first 128); and the alternatives that run on the same GPU
    without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
    the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
@@ -46,6 +47,11 @@ from service.runtime.providers import cuda_unavailable_reason, prepare_cuda
 
 TASK_MODELS = {"translate": "translate-en-it", "summarize": "summarize-en"}
 ALONE = 128  # sentences decoded one at a time in-process
+# On CUDA, the service also in these batching modes (flags of `attnserve serve`) beside its default:
+# continuous batching on the step graph (asked for: not served there by default), and request-level
+# batches only (whose decoder keeps its cache on the GPU, where the merged-decoder running batch
+# copies it to the host every step)
+SERVICE_MODES = {"on the step graph": ["--step-graph"], "request-level batches": ["--no-continuous-batching"]}
 LATENCY_BOUND_S = 0.010  # p50 of a single request on a GPU
 
 
@@ -191,24 +197,26 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
 
     providers = [provider] if provider == CPU else [provider, CPU]
     # the first rows per batch at every concurrency, the others at the top one; on CUDA the first
-    # once more on the step graph (asked for: not served there by default)
-    runs = [(rows, False) for rows in service_batch_sizes] + [(service_batch_sizes[0], True)] * (provider == CUDA)
-    for rows, step_graph in runs:
+    # also in the other batching modes (`SERVICE_MODES`) at the top one
+    runs = [(rows, "default") for rows in service_batch_sizes]
+    runs += [(service_batch_sizes[0], mode) for mode in SERVICE_MODES] * (provider == CUDA)
+    for rows, mode in runs:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
         command = service_command(models, port, providers=providers, max_queue_size=max(4096, 4 * max(concurrency)))
         command += ["--max-batch-size", str(rows), "--max-batch-tokens", str(rows * manifest.max_source_len)]
-        command += ["--step-graph"] * step_graph
-        log = out / f"service-{model}-{rows}{'-step-graph' * step_graph}.log"
+        command += SERVICE_MODES.get(mode, [])
+        log = out / f"service-{model}-{rows}{'' if mode == 'default' else '-' + SERVICE_MODES[mode][0][2:]}.log"
         with ServerProcess(command, port, log) as server:
-            if step_graph:
+            if mode != "default":
                 result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
-                report["service_step_graph"] = {"max_batch_size": rows, "concurrency": max(concurrency),
-                                                "stats": result.stats().to_dict()}
+                report.setdefault("service_modes", {})[mode] = {
+                    "max_batch_size": rows, "concurrency": max(concurrency), "stats": result.stats().to_dict()}
             elif rows == service_batch_sizes[0]:
                 info = json.loads(_get(server.url + "/v1/models"))
                 served = next(m for m in info["models"] if m["name"] == model)
                 report["service_provider"], report["service_variant"] = served["provider"], served["variant"]
+                report["service_step_graph"] = served.get("step_graph")
                 report["service"] = {}
                 for clients in concurrency:
                     result = asyncio.run(closed_loop(url, text_bodies(texts), clients))
@@ -227,7 +235,7 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         report["ctranslate2"] = ctranslate2_baseline(models / model, pieces, batch_sizes, max_new_tokens, device)
     best = best_alternative(report)
     rows, top = max(((int(r), s["sentences_per_s"]) for r, s in report["service_batch_sizes"].items()),
-                    key=lambda run: run[1])
+                    key=lambda run: run[1])  # the default batching mode: what a user gets unasked
     report["target"] = {"service_concurrency": max(concurrency), "service_sentences_per_s": top,
                         "service_max_batch_size": rows,
                         "best_alternative": best[0] if best else None,
@@ -278,10 +286,9 @@ def markdown(results: dict[str, Any]) -> str:
         rows = [(f"service, concurrency {c}{suffix}", s) for c, s in report["service"].items()]
         rows += [(f"service, concurrency {max(map(int, report['service']))}, {b} rows per batch", s)
                  for b, s in grid.items() if b != first]
-        stepped = report.get("service_step_graph")
-        if stepped:
-            name = f"service on the step graph, concurrency {stepped['concurrency']}, {stepped['max_batch_size']} rows per batch"
-            rows.append((name, stepped["stats"]))
+        for mode, run in report.get("service_modes", {}).items():
+            rows.append((f"service {mode}, concurrency {run['concurrency']}, {run['max_batch_size']} rows per batch",
+                         run["stats"]))
         if "in_process_alone" in report:
             alone = report["in_process_alone"]
             rows.append((f"ONNX in-process, one sentence at a time ({alone['sentences']} sentences)", alone))

@@ -58,6 +58,6 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
     assert "Service at concurrency 4 (" in text and "rows per batch) / best alternative" in text
-    assert "service_step_graph" not in report  # on CUDA only: the service asked for the step graph
-    report["service_step_graph"] = {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}
+    assert "service_modes" not in report and report["service_step_graph"] is True  # other modes: on CUDA only
+    report["service_modes"] = {"on the step graph": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
     assert "| service on the step graph, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
