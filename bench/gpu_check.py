@@ -42,11 +42,12 @@ from bench.servers import ServerProcess, free_port, service_command
 from bench.stats import summarise
 from bench.workload import load as load_workload
 from service.repository.manifest import read_manifest
-from service.runtime import CPU, CUDA
+from service.runtime import CPU, CUDA, ModelRuntime
 from service.runtime.providers import cuda_unavailable_reason, prepare_cuda
 
 TASK_MODELS = {"translate": "translate-en-it", "summarize": "summarize-en"}
 ALONE = 128  # sentences decoded one at a time in-process
+QUALITY_ROWS = 200  # test rows scored on the provider and on the CPU (fp32)
 # On CUDA, the service also in these batching modes (flags of `attnserve serve`) beside its default:
 # continuous batching on the step graph (asked for: not served there by default), and request-level
 # batches only (whose decoder keeps its cache on the GPU, where the merged-decoder running batch
@@ -162,6 +163,19 @@ def agreement(model_dir: Path, sources: list[list[int]], outputs: list[Any], max
     return {"reference": "CPU fp32", "rows": len(expected), "identical": identical}
 
 
+def quality(model_dir: Path, runtime: ModelRuntime, data_dir: Path, task: str) -> dict[str, Any]:
+    """BLEU/chrF (ROUGE for summaries) of the runtime's greedy outputs on the test split of
+    `data_dir` and of the CPU fp32 variant's, and whether the first is within `MAX_DROP` of the second."""
+    from export.quality import MAX_DROP, measure_quality, within_bound
+
+    if not (data_dir / "test.tgt").is_file():
+        return {"error": f"no references ({data_dir.name}/test.tgt)"}
+    measured = measure_quality(runtime, data_dir, QUALITY_ROWS)
+    reference = measure_quality(load_runtime(model_dir, variant="fp32", providers=[CPU]), data_dir, QUALITY_ROWS)
+    return {"variant": runtime.variant, "scores": measured, "cpu_fp32": reference, "max_drop": MAX_DROP,
+            "within_bound": within_bound(task, reference, measured)}
+
+
 def best_alternative(report: dict[str, Any]) -> tuple[str, float] | None:
     """The fastest same-device alternative run (name, sentences/s) of a model's report."""
     runs = [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s["sentences_per_s"])
@@ -189,6 +203,7 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         stats, results = run_batches(runtime, sources, b, max_new_tokens=max_new_tokens)
         report["in_process"][str(b)], outputs = stats.to_dict(), outputs or results
     report["agreement"] = agreement(models / model, sources[:128], outputs[:128], max_new_tokens)
+    report["quality"] = quality(models / model, runtime, texts_dir / model, manifest.task)
     # one sentence at a time: the engine's own latency, beside the service's at concurrency 1
     report["in_process_alone"] = run_batches(runtime, sources[:ALONE], 1, max_new_tokens=max_new_tokens)[0].to_dict()
     pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes
@@ -315,6 +330,15 @@ def markdown(results: dict[str, Any]) -> str:
             lines += ["", (f"Service at concurrency {target['service_concurrency']} "
                            f"({target.get('service_max_batch_size', 64)} rows per batch) / best alternative "
                            f"({target['best_alternative']}): **{target['ratio']:.2f}** (bound ≥ 1.0: {status}).")]
+        scored = report.get("quality", {})
+        if "scores" in scored:
+            metrics = [m for m in ("bleu", "chrf", "rouge1", "rouge2", "rougeL") if m in scored["scores"]]
+            versus = ", ".join(f"{m} {scored['scores'][m]} vs {scored['cpu_fp32'][m]}" for m in metrics)
+            status = "met" if scored["within_bound"] else "missed"
+            lines += ["", (f"Quality of {scored['variant']} on {report['provider']} against fp32 on the CPU "
+                           f"({scored['scores']['rows']} test rows): {versus} (within {scored['max_drop']}: {status}).")]
+        elif "error" in scored:
+            lines += ["", f"Quality: {scored['error']}"]
         latency = report.get("latency_target")
         if latency and latency["service_p50_s"] is not None:
             status = "met" if latency["service_p50_s"] <= latency["bound_s"] else "missed"

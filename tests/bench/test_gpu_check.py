@@ -27,6 +27,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     texts = tmp_path / "texts" / "tiny"
     texts.mkdir(parents=True)
     shutil.copy(tiny_model_repository.parent / "data" / "test.src", texts / "test.src")
+    shutil.copy(tiny_model_repository.parent / "data" / "test.tgt", texts / "test.tgt")
     out = tmp_path / "out"
     status = gpu_check.main(["--provider", CPU, "--models", str(models), "--texts", str(tmp_path / "texts"),
                              "--model", "tiny", "--out", str(out), "--sentences", "24", "--concurrency", "1", "4",
@@ -57,6 +58,11 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "| ONNX in-process, one sentence at a time (24 sentences) |" in text
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
+    # quality on the provider against the CPU's fp32 (the dry run: the CPU's own variant, int8 or fp32)
+    scored = report["quality"]
+    assert scored["variant"] == report["variant"] and scored["scores"]["rows"] == scored["cpu_fp32"]["rows"] > 0
+    assert scored["within_bound"] == all(scored["scores"][m] >= scored["cpu_fp32"][m] - 1.0 for m in ("bleu", "chrf"))
+    assert f"Quality of {report['variant']} on CPUExecutionProvider against fp32 on the CPU" in text
     assert "Service at concurrency 4 (" in text and "rows per batch) / best alternative" in text
     assert "service_modes" not in report and report["service_step_graph"] is True  # other modes: on CUDA only
     report["service_modes"] = {"on the step graph": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
