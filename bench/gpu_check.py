@@ -170,7 +170,10 @@ def quality(model_dir: Path, runtime: ModelRuntime, data_dir: Path, task: str) -
 
     if not (data_dir / "test.tgt").is_file():
         return {"error": f"no references ({data_dir.name}/test.tgt)"}
-    measured = measure_quality(runtime, data_dir, QUALITY_ROWS)
+    try:
+        measured = measure_quality(runtime, data_dir, QUALITY_ROWS)
+    except ImportError as error:  # the metric's package (sacrebleu, rouge-score) is not on the host
+        return {"error": f"cannot score: {error}"}
     reference = measure_quality(load_runtime(model_dir, variant="fp32", providers=[CPU]), data_dir, QUALITY_ROWS)
     return {"variant": runtime.variant, "scores": measured, "cpu_fp32": reference, "max_drop": MAX_DROP,
             "within_bound": within_bound(task, reference, measured)}
