@@ -67,3 +67,18 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "service_modes" not in report and report["service_step_graph"] is True  # other modes: on CUDA only
     report["service_modes"] = {"on the step graph": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
     assert "| service on the step graph, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
+
+
+def test_quality_says_why_it_could_not_score(tmp_path: Path, monkeypatch) -> None:
+    """Without references, or without the metric's package on the host, the report says why."""
+    import export.quality
+
+    assert gpu_check.quality(tmp_path, None, tmp_path, "translate") == {"error": f"no references ({tmp_path.name}/test.tgt)"}
+    (tmp_path / "test.tgt").write_text("a\n")
+
+    def no_package(*args, **kwargs):
+        raise ImportError("No module named 'rouge_score'")
+
+    monkeypatch.setattr(export.quality, "measure_quality", no_package)
+    assert gpu_check.quality(tmp_path, None, tmp_path, "summarize") == {
+        "error": "cannot score: No module named 'rouge_score'"}
