@@ -155,17 +155,18 @@ def ctranslate2_baseline(model_dir: Path, pieces: list[list[str]], batch_sizes: 
     return {"device": device, "version": ctranslate2.__version__, "compute_types": runs}
 
 
-def agreement(model_dir: Path, sources: list[list[int]], outputs: list[Any], max_new_tokens: int) -> dict[str, Any]:
-    """How many of `outputs` (greedy, on the provider) are the CPU fp32 variant's tokens."""
-    reference = load_runtime(model_dir, variant="fp32", providers=[CPU])
+def agreement(reference: ModelRuntime, sources: list[list[int]], outputs: list[Any],
+              max_new_tokens: int) -> dict[str, Any]:
+    """How many of `outputs` (greedy, on the provider) are the `reference` runtime's (CPU fp32) tokens."""
     expected = run_batches(reference, sources, 64, max_new_tokens=max_new_tokens)[1]
     identical = sum(o.tokens == e.tokens for o, e in zip(outputs, expected, strict=True))
     return {"reference": "CPU fp32", "rows": len(expected), "identical": identical}
 
 
-def quality(model_dir: Path, runtime: ModelRuntime, data_dir: Path, task: str) -> dict[str, Any]:
+def quality(runtime: ModelRuntime, reference: ModelRuntime, data_dir: Path, task: str) -> dict[str, Any]:
     """BLEU/chrF (ROUGE for summaries) of the runtime's greedy outputs on the test split of
-    `data_dir` and of the CPU fp32 variant's, and whether the first is within `MAX_DROP` of the second."""
+    `data_dir` and of the `reference` runtime's (CPU fp32), and whether the first is within
+    `MAX_DROP` of the second."""
     from export.quality import MAX_DROP, measure_quality, within_bound
 
     if not (data_dir / "test.tgt").is_file():
@@ -174,9 +175,9 @@ def quality(model_dir: Path, runtime: ModelRuntime, data_dir: Path, task: str) -
         measured = measure_quality(runtime, data_dir, QUALITY_ROWS)
     except ImportError as error:  # the metric's package (sacrebleu, rouge-score) is not on the host
         return {"error": f"cannot score: {error}"}
-    reference = measure_quality(load_runtime(model_dir, variant="fp32", providers=[CPU]), data_dir, QUALITY_ROWS)
-    return {"variant": runtime.variant, "scores": measured, "cpu_fp32": reference, "max_drop": MAX_DROP,
-            "within_bound": within_bound(task, reference, measured)}
+    expected = measure_quality(reference, data_dir, QUALITY_ROWS)
+    return {"variant": runtime.variant, "scores": measured, "cpu_fp32": expected, "max_drop": MAX_DROP,
+            "within_bound": within_bound(task, expected, measured)}
 
 
 def best_alternative(report: dict[str, Any]) -> tuple[str, float] | None:
@@ -205,8 +206,10 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     for b in batch_sizes:
         stats, results = run_batches(runtime, sources, b, max_new_tokens=max_new_tokens)
         report["in_process"][str(b)], outputs = stats.to_dict(), outputs or results
-    report["agreement"] = agreement(models / model, sources[:128], outputs[:128], max_new_tokens)
-    report["quality"] = quality(models / model, runtime, texts_dir / model, manifest.task)
+    reference = load_runtime(models / model, variant="fp32", providers=[CPU])  # what the provider's outputs are held to
+    report["agreement"] = agreement(reference, sources[:128], outputs[:128], max_new_tokens)
+    report["quality"] = quality(runtime, reference, texts_dir / model, manifest.task)
+    del reference
     # one sentence at a time: the engine's own latency, beside the service's at concurrency 1
     report["in_process_alone"] = run_batches(runtime, sources[:ALONE], 1, max_new_tokens=max_new_tokens)[0].to_dict()
     pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes

@@ -15,7 +15,6 @@ whether the new column landed in the cache, per provider:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+from bench.report import emit_json
 
 HEADS, HEAD_DIM = 4, 32
 
@@ -139,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gqa_cuda", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="JSON report (default: print only)")
     args = parser.parse_args(argv)
-    text = json.dumps(check(), indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
+    emit_json(check(), args.out)
     return 0
 
 

@@ -194,6 +194,15 @@ def plot(task_results: dict[str, Any], title: str, path: Path) -> Path:
     return path
 
 
+def emit_json(report: dict[str, Any], out: Path | None) -> None:
+    """Print `report` as indented JSON and, with `out`, write it there too (its folder made)."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n", encoding="utf-8")
+
+
 def write(results: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
     """Write the JSON, the markdown and one PNG per task into `out_dir`; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,6 @@ which tells a wrong total apart from a wrong kernel:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from bench.report import emit_json
 from export.storage import load_graph
 from service.runtime import CPU, ModelRuntime
 from service.runtime.tensors import to_numpy
@@ -139,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     report = compare(args.model, args.variant, args.provider, args.host_totals, capacity=args.capacity,
                      tolerance=args.tolerance)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
+    emit_json(report, args.out)
     return 0
 
 

@@ -73,12 +73,12 @@ def test_quality_says_why_it_could_not_score(tmp_path: Path, monkeypatch) -> Non
     """Without references, or without the metric's package on the host, the report says why."""
     import export.quality
 
-    assert gpu_check.quality(tmp_path, None, tmp_path, "translate") == {"error": f"no references ({tmp_path.name}/test.tgt)"}
+    assert gpu_check.quality(None, None, tmp_path, "translate") == {"error": f"no references ({tmp_path.name}/test.tgt)"}
     (tmp_path / "test.tgt").write_text("a\n")
 
     def no_package(*args, **kwargs):
         raise ImportError("No module named 'rouge_score'")
 
     monkeypatch.setattr(export.quality, "measure_quality", no_package)
-    assert gpu_check.quality(tmp_path, None, tmp_path, "summarize") == {
+    assert gpu_check.quality(None, None, tmp_path, "summarize") == {
         "error": "cannot score: No module named 'rouge_score'"}
