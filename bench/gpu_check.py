@@ -48,11 +48,10 @@ from service.runtime.providers import cuda_unavailable_reason, prepare_cuda
 TASK_MODELS = {"translate": "translate-en-it", "summarize": "summarize-en"}
 ALONE = 128  # sentences decoded one at a time in-process
 QUALITY_ROWS = 200  # test rows scored on the provider and on the CPU (fp32)
-# On CUDA, the service also in these batching modes (flags of `attnserve serve`) beside its default:
-# continuous batching on the step graph (asked for: not served there by default), and request-level
-# batches only (whose decoder keeps its cache on the GPU, where the merged-decoder running batch
-# copies it to the host every step)
-SERVICE_MODES = {"on the step graph": ["--step-graph"], "request-level batches": ["--no-continuous-batching"]}
+# On CUDA, the service also in these batching modes (flags of `attnserve serve`) beside its default
+# (continuous batching on the step graph): continuous batching on the merged decoder (whose running
+# batch copies the cache to the host every step), and request-level batches only
+SERVICE_MODES = {"on the merged decoder": ["--no-step-graph"], "request-level batches": ["--no-continuous-batching"]}
 LATENCY_BOUND_S = 0.010  # p50 of a single request on a GPU
 
 

@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     )
     step_graph: bool | None = Field(
         default=None, description="continuous batching on the step graph: unset = where the provider "
-        "serves it by default (the CPU, not yet CUDA), true = wherever its attention has a kernel, "
+        "serves it by default (`STEP_GRAPH_BY_DEFAULT`: the CPU and CUDA), true = wherever its attention has a kernel, "
         "false = on the merged decoder",
     )
     gpu_memory_limit_mb: int = Field(

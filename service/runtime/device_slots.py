@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -79,7 +79,9 @@ class SlotGraphs:
         self._sessions: dict[tuple, ort.InferenceSession] = {}
         self._lock = threading.Lock()
 
-    def session(self, key: tuple, graph: bytes) -> ort.InferenceSession:
+    def session(self, key: tuple, graph: Callable[[], bytes]) -> ort.InferenceSession:
+        """The session of `key`, made from `graph()` the first time (a graph is built once per
+        key: building it costs more than running it)."""
         with self._lock:
             session = self._sessions.get(key)
             if session is None:
@@ -87,7 +89,7 @@ class SlotGraphs:
                 options.intra_op_num_threads = 1  # a copy of rows: no work to divide
                 options.inter_op_num_threads = 1
                 options.log_severity_level = 3  # no warnings about the shape inputs placed on the CPU
-                session = ort.InferenceSession(graph, options, providers=self._providers)
+                session = ort.InferenceSession(graph(), options, providers=self._providers)
                 self._sessions[key] = session
             return session
 
@@ -208,7 +210,7 @@ class DeviceSlots:
         if not int(np.prod(buffers[0].shape())):
             return
         types = tuple(b.element_type() for b in buffers)
-        session = self.graphs.session(("zeros", types), zeros_graph(types))
+        session = self.graphs.session(("zeros", types), lambda: zeros_graph(types))
         binding = session.io_binding()
         binding.bind_cpu_input("shape", np.asarray(buffers[0].shape(), dtype=np.int64))
         for i, buffer in enumerate(buffers):
@@ -223,7 +225,7 @@ class DeviceSlots:
         rows = kept_rows if rows is None else rows
         types = tuple(_element_type(s) for s in sources)
         casts = tuple(t.element_type() for t in targets)
-        session = self.graphs.session(("pad", types, casts), pad_graph(types, casts))
+        session = self.graphs.session(("pad", types, casts), lambda: pad_graph(types, casts))
         binding = session.io_binding()
         _, heads, columns, head_dim = targets[0].shape()
         binding.bind_cpu_input("starts", np.zeros(1, dtype=np.int64))
@@ -253,7 +255,7 @@ class DeviceSlots:
         del columns
         buffers = [*self.cache, *self.cross] if cross else list(self.cache)
         types = tuple(b.element_type() for b in buffers)
-        session = self.graphs.session(("move", types), move_graph(types))
+        session = self.graphs.session(("move", types), lambda: move_graph(types))
         binding = session.io_binding()
         binding.bind_cpu_input("sources", np.ascontiguousarray(sources, dtype=np.int64))
         binding.bind_cpu_input("targets", np.ascontiguousarray(targets, dtype=np.int64).reshape(-1, 1))

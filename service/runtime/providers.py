@@ -26,10 +26,9 @@ AUTO_IO_BINDING = {CUDA: True, CPU: False}
 # on CUDA would run its attention on the CPU, copying every layer's cache both ways at each step,
 # so the runtime serves it on the merged decoder instead (`ModelRuntime.load`'s `step_graph`).
 STEP_CACHE_TYPES = {CUDA: ("tensor(float16)",), CPU: ("tensor(float)", "tensor(float16)")}
-# Whether a provider serves a usable step graph unless told not to (`step_graph`). CUDA: not
-# until `make gpu-check` has seen its step graph decode the CPU's tokens; until then CUDA batches
-# on the merged decoder, whose tokens it has seen match.
-STEP_GRAPH_BY_DEFAULT = {CUDA: False, CPU: True}
+# Whether a provider serves a usable step graph unless told not to (`step_graph`); both do since
+# `make gpu-check` saw the fp16 step graph on CUDA decode the CPU's tokens.
+STEP_GRAPH_BY_DEFAULT = {CUDA: True, CPU: True}
 
 CUDA_PROVIDER_LIBRARY = "libonnxruntime_providers_cuda.so"
 

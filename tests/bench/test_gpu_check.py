@@ -65,8 +65,8 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert f"Quality of {report['variant']} on CPUExecutionProvider against fp32 on the CPU" in text
     assert "Service at concurrency 4 (" in text and "rows per batch) / best alternative" in text
     assert "service_modes" not in report and report["service_step_graph"] is True  # other modes: on CUDA only
-    report["service_modes"] = {"on the step graph": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
-    assert "| service on the step graph, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
+    report["service_modes"] = {"request-level batches": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
+    assert "| service request-level batches, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
 
 
 def test_quality_says_why_it_could_not_score(tmp_path: Path, monkeypatch) -> None:
