@@ -35,7 +35,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from bench import gqa_cuda, machine, step_graph_parity
+from bench import gqa_cuda, join_cost, machine, step_graph_parity
 from bench.in_process import load_runtime, run_batches
 from bench.load import closed_loop, text_bodies
 from bench.servers import ServerProcess, free_port, service_command
@@ -53,6 +53,8 @@ QUALITY_ROWS = 200  # test rows scored on the provider and on the CPU (fp32)
 # batch copies the cache to the host every step), and request-level batches only
 SERVICE_MODES = {"on the merged decoder": ["--no-step-graph"], "request-level batches": ["--no-continuous-batching"]}
 LATENCY_BOUND_S = 0.010  # p50 of a single request on a GPU
+# continuous batching on the step graph in-process (`bench.join_cost`): sentences, slots, newcomers per join
+RUNNING_SENTENCES, RUNNING_ROWS, RUNNING_GROUP = 512, 64, 8
 
 
 def gpu() -> dict[str, str] | None:
@@ -211,6 +213,9 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     del reference
     # one sentence at a time: the engine's own latency, beside the service's at concurrency 1
     report["in_process_alone"] = run_batches(runtime, sources[:ALONE], 1, max_new_tokens=max_new_tokens)[0].to_dict()
+    if runtime.step is not None:  # where continuous batching's time goes: joins, steps, departures
+        report["running_batch"] = {"rows": RUNNING_ROWS, "group": RUNNING_GROUP, **join_cost.replay(
+            runtime, sources[:RUNNING_SENTENCES], RUNNING_ROWS, RUNNING_GROUP, join_cost.MODES[join_cost.STEP_MODE])}
     pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes
     del runtime
     report["memory_after_in_process"] = gpu()
@@ -322,6 +327,13 @@ def markdown(results: dict[str, Any]) -> str:
             p50 = "-" if s["latency_p50_s"] is None else f"{s['latency_p50_s']:.4f}"
             p95 = "-" if s["latency_p95_s"] is None else f"{s['latency_p95_s']:.4f}"
             lines.append(f"| {name} | {s['sentences_per_s']:.1f} | {s['tokens_per_s']:.0f} | {p50} | {p95} |")
+        running = report.get("running_batch")
+        if running:
+            lines += ["", (f"Continuous batching on the step graph in-process ({running['rows']} slots, "
+                           f"{running['group']} newcomers per join): {running['total_s']:.2f} s, of which joins "
+                           f"{running['join_s']:.2f} s, steps {running['step_s']:.2f} s over {running['steps']} steps "
+                           f"(departures {running['leave_s']:.2f} s over {running['leaves']}), resizes "
+                           f"{running['copy_s']:.2f} s over {running['copies']}.")]
         same = report.get("agreement")
         if same:
             lines += ["", (f"In-process outputs identical to the {same['reference']} variant's: "

@@ -10,7 +10,9 @@ sources join, then one decoder step runs. Each mode (`SlotBatch` on the step gra
 decoder, newcomers fill dead slots in place, or every join copies the batch, and the first again
 with each token's log-probability summed, which the service skips) runs `--repeats` times in turn; it reports the seconds spent in joins (encoder
 calls, copies), in copies alone and in decoder steps, the median run of each (`--modes` picks
-some).
+some). Within the steps, the step graph's departures (the last rows moving into the slots of
+rows that finished) are timed apart. `--provider CUDAExecutionProvider` runs it on the GPU (its
+slots on the device).
 
 With `--profile`, one more replay of the step graph on sessions with onnxruntime's profiler
 gives the step graph's and the encoder's time per operator type (`profile` in the output).
@@ -67,21 +69,24 @@ MODES: dict[str, Callable[[Any], Any]] = {
 
 def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
            make_batch: Callable[[Any], Any]) -> dict[str, float]:
-    """Seconds in joins, in the batch copies (RunningBatch's rebuilds, SlotBatch's resizes) and
-    in steps; the counts of copies and steps."""
+    """Seconds in joins, in the batch copies (RunningBatch's rebuilds, SlotBatch's resizes), in
+    steps and, within them, in SlotBatch's departures (the last rows moved into the finished
+    rows' slots); the counts of copies, departures and steps."""
     batch = make_batch(runtime)
-    copy_s, copies = 0.0, 0
+    timed = {"copy": [0.0, 0], "leave": [0.0, 0]}
+
+    def timing(key: str, method: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any) -> None:
+            started = time.perf_counter()
+            method(*args)
+            timed[key][0] += time.perf_counter() - started
+            timed[key][1] += 1
+        return run
+
     name = "_rebuild" if hasattr(batch, "_rebuild") else "_resize"
-    copy = getattr(batch, name)
-
-    def timed_copy(*args: Any) -> None:
-        nonlocal copy_s, copies
-        started = time.perf_counter()
-        copy(*args)
-        copy_s += time.perf_counter() - started
-        copies += 1
-
-    setattr(batch, name, timed_copy)
+    setattr(batch, name, timing("copy", getattr(batch, name)))
+    if hasattr(batch, "_remove"):
+        batch._remove = timing("leave", batch._remove)
     joins = steps = 0.0
     count = 0
     index = 0
@@ -97,7 +102,8 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
         batch.generate_token()
         steps += time.perf_counter() - started
         count += 1
-    return {"join_s": joins, "copy_s": copy_s, "copies": copies, "step_s": steps, "steps": count,
+    return {"join_s": joins, "copy_s": timed["copy"][0], "copies": timed["copy"][1], "step_s": steps,
+            "leave_s": timed["leave"][0], "leaves": timed["leave"][1], "steps": count,
             "total_s": time.perf_counter() - begun}
 
 
@@ -141,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=Path("models/translate-en-it"))
     parser.add_argument("--data-dir", type=Path, default=Path("data"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/join_cost_cpu.json"))
+    parser.add_argument("--provider", default="CPUExecutionProvider", choices=["CPUExecutionProvider", "CUDAExecutionProvider"],
+                        help="the runtime's execution provider (CUDA: the CPU for the nodes it has no kernel for)")
     parser.add_argument("--sentences", type=int, default=400)
     parser.add_argument("--rows", type=int, default=20, help="newcomers join while fewer rows decode")
     parser.add_argument("--group", type=int, default=3, help="sources per join")
@@ -159,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
     manifest = read_manifest(args.model)
     tokenizer = Tokenizer.from_file(args.model / "tokenizer.model")
-    runtime = ModelRuntime.load(args.model, providers=["CPUExecutionProvider"], threads=1, spinning=False,
-                                memory_arena=False)
+    providers = [args.provider, "CPUExecutionProvider"] if args.provider != "CPUExecutionProvider" else [args.provider]
+    runtime = ModelRuntime.load(args.model, providers=providers, threads=1, spinning=False, memory_arena=False)
     lines = (args.data_dir / manifest.name / "test.src").read_text(encoding="utf-8").splitlines()
     sources = [tokenizer.encode(line)[: runtime.max_source_len - 1] + [runtime.eos_id]
                for line in lines[: args.sentences]]
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": "python -m bench.join_cost " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine.describe(), "model": manifest.name, "sentences": len(sources),
-        "rows": args.rows, "group": args.group,
+        "provider": runtime.provider, "variant": runtime.variant, "rows": args.rows, "group": args.group,
         "modes": {mode: {"median": {key: statistics.median(run[key] for run in mode_runs)
                                     for key in mode_runs[0]}, "runs": mode_runs}
                   for mode, mode_runs in runs.items()},
@@ -208,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode}: {median['total_s']:.3f} s")
             continue
         print(f"{mode}: joins {median['join_s']:.3f} s ({median['copies']:.0f} copies, {median['copy_s']:.3f} s), "
-              f"steps {median['step_s']:.3f} s over {median['steps']:.0f} steps")
+              f"steps {median['step_s']:.3f} s over {median['steps']:.0f} steps "
+              f"({median['leaves']:.0f} departures, {median['leave_s']:.3f} s)")
     return 0
 
 

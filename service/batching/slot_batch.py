@@ -53,6 +53,7 @@ whole batch's scale, so its tokens may depend on its neighbours.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, cast
@@ -77,6 +78,7 @@ from service.runtime.shortlist import Shortlist, ShortlistCounts
 from service.runtime.step_buffers import HostSlots
 from service.runtime.tensors import Tensor
 
+PADDING_SLACK = 1.25  # host slots: newcomers encoded together while rows x longest <= this x their tokens
 QUANTUM = 32  # cache columns and source width grow to the next multiple of this, not by doubling
 
 
@@ -166,7 +168,7 @@ class SlotBatch(Generic[Owner]):
     pads_to_oldest = False  # a newcomer's cache is its own: joins cost the same at any age
     takes_beams = True  # beam-search rows join too, one slot per beam
 
-    def __init__(self, runtime: Runtime, padding_slack: float = 1.25, scores: bool = True,
+    def __init__(self, runtime: Runtime, padding_slack: float | None = None, scores: bool = True,
                  rows: int = 8, capacity: int = QUANTUM, quantum: int = QUANTUM,
                  on_device: bool | None = None, shortlist_rows: int = 0,
                  shortlist_share: float = SHORTLIST_SHARE) -> None:
@@ -174,14 +176,16 @@ class SlotBatch(Generic[Owner]):
             raise ValueError("the runtime has no step graph (decoder_step.onnx): use RunningBatch")
         self.runtime = runtime
         self.scores = scores  # results carry their summed log-probability (else None)
-        self.padding_slack = padding_slack  # newcomers are encoded in groups of similar length
+        if on_device is None:
+            on_device = slots_on_device(runtime)
+        # newcomers are encoded in groups of similar length; on a device, all together (an encoder
+        # call costs its launches there, not its padding)
+        self.padding_slack = padding_slack if padding_slack is not None else math.inf if on_device else PADDING_SLACK
         self._initial = (rows, capacity)
         self.quantum = quantum  # columns and source width grow to multiples of this
         self._members: list[Member[Owner] | BeamSlot[Owner]] = []  # live rows: slot i holds self._members[i]
         # the beam-search rows among them (each in k slots), in the order they joined
         self._beams: dict[BeamGroup[Owner], None] = {}
-        if on_device is None:
-            on_device = slots_on_device(runtime)
         self._slots: Slots = (_device_slots(runtime, rows, capacity) if on_device else
                               HostSlots(runtime.n_decoder_layers, rows, runtime.n_heads, capacity, runtime.head_dim,
                                         0, *step_dtypes(runtime.step)))

@@ -14,8 +14,9 @@ that touches them runs there:
 - a newcomer's cross keys/values (the encoder's outputs, already on the device with IO binding)
   are written into its slots on the device, padded to the batch's source width;
 - rows moving into the holes of finished rows, and the buffers' growth and shrinking, are tiny
-  ONNX graphs (Gather, ScatterND, Slice, Pad, Cast, ConstantOfShape, written with `onnx_proto`)
-  run by a session of the runtime's provider, bound in and out by IO binding.
+  ONNX graphs (Slice, Pad, Cast, ConstantOfShape, written with `onnx_proto`) run by a session of
+  the runtime's provider, bound in and out by IO binding: a move is a copy of whole rows from a
+  view of the buffer onto another view of it, one per run of consecutive rows.
 
 Views over the first n rows. OrtValue has no sub-views (no slicing of device memory), but the
 buffers are C-contiguous with the slot as the leading dimension, so the first n slots are the
@@ -116,25 +117,11 @@ def slot_graphs(provider: str, device: str, device_id: int) -> SlotGraphs:
 # -- the tiny graphs ------------------------------------------------------------------------
 
 _RANK4 = ("rows", "heads", "columns", "head_dim")
+_ALL_COLUMNS = 2**62  # a Slice end past every buffer's columns
 
 
 def _tensor(name: str, element_type: int, prefix: str = "") -> bytes:
     return onnx_proto.value_info(name, element_type, [f"{prefix}{d}" for d in _RANK4])
-
-
-def move_graph(types: tuple[int, ...]) -> bytes:
-    """Inputs `sources` (k) and `targets` (k, 1) int64 and buffers `x0..`; outputs
-    `yi = ScatterND(xi, targets, Gather(xi, sources))`: rows `sources` copied onto rows
-    `targets` (bound to the buffers themselves: in place)."""
-    nodes = []
-    for i in range(len(types)):
-        nodes.append(onnx_proto.node("Gather", [f"x{i}", "sources"], [f"moved{i}"], f"gather{i}", axis=0))
-        nodes.append(onnx_proto.node("ScatterND", [f"x{i}", "targets", f"moved{i}"], [f"y{i}"], f"scatter{i}"))
-    inputs = [onnx_proto.value_info("sources", onnx_proto.INT64, ["moved"]),
-              onnx_proto.value_info("targets", onnx_proto.INT64, ["moved", 1])]
-    inputs += [_tensor(f"x{i}", t, f"x{i}_") for i, t in enumerate(types)]
-    outputs = [_tensor(f"y{i}", t, f"x{i}_") for i, t in enumerate(types)]
-    return onnx_proto.model(nodes, inputs, outputs, "slot_move")
 
 
 def pad_graph(types: tuple[int, ...], casts: tuple[int, ...] | None = None) -> bytes:
@@ -153,7 +140,7 @@ def pad_graph(types: tuple[int, ...], casts: tuple[int, ...] | None = None) -> b
     inputs = [onnx_proto.value_info(name, onnx_proto.INT64, [size])
               for name, size in (("starts", 1), ("ends", 1), ("axes", 1), ("pads", 8))]
     inputs += [_tensor(f"x{i}", t, f"x{i}_") for i, t in enumerate(types)]
-    outputs = [_tensor(f"y{i}", t, "y_") for i, t in enumerate(targets)]
+    outputs = [_tensor(f"y{i}", t, f"y{i}_") for i, t in enumerate(targets)]
     return onnx_proto.model(nodes, inputs, outputs, "slot_pad")
 
 
@@ -223,22 +210,35 @@ class DeviceSlots:
         on the device, or host arrays) into `rows` rows (default `kept_rows`) of `targets` from
         row `row` on, zeros after those rows and columns; cast to the targets' type."""
         rows = kept_rows if rows is None else rows
+        columns = targets[0].shape()[2]
+        self._run_pad(sources, 0, targets, row, kept_rows, rows, kept_columns,
+                      [0, 0, 0, 0, rows - kept_rows, 0, columns - kept_columns, 0])
+
+    def _copy(self, sources: list[ort.OrtValue], source_row: int, targets: list[ort.OrtValue], target_row: int,
+              count: int) -> None:
+        """Copy rows source_row..source_row+count-1 of each of `sources` onto rows
+        target_row..target_row+count-1 of the target of the same index (the same columns and
+        type; the two row ranges must not overlap when source and target are one buffer)."""
+        self._run_pad(sources, source_row, targets, target_row, count, count, _ALL_COLUMNS, [0] * 8)
+
+    def _run_pad(self, sources: Sequence[Tensor], source_row: int, targets: list[ort.OrtValue], target_row: int,
+                 kept_rows: int, rows: int, kept_columns: int, pads: list[int]) -> None:
+        """The pad graph over rows source_row.. (`kept_rows` of them) of `sources`, written
+        into rows target_row..target_row+rows-1 of `targets` (each its own shape past the rows)."""
         types = tuple(_element_type(s) for s in sources)
         casts = tuple(t.element_type() for t in targets)
         session = self.graphs.session(("pad", types, casts), lambda: pad_graph(types, casts))
         binding = session.io_binding()
-        _, heads, columns, head_dim = targets[0].shape()
         binding.bind_cpu_input("starts", np.zeros(1, dtype=np.int64))
         binding.bind_cpu_input("ends", np.array([kept_columns], dtype=np.int64))
         binding.bind_cpu_input("axes", np.array([2], dtype=np.int64))
-        pads = [0, 0, 0, 0, rows - kept_rows, 0, columns - kept_columns, 0]
         binding.bind_cpu_input("pads", np.array(pads, dtype=np.int64))
         for i, (source, target) in enumerate(zip(sources, targets, strict=True)):
             if isinstance(source, ort.OrtValue):
-                self.graphs.bind_view(binding, f"x{i}", source, [kept_rows, *source.shape()[1:]])
+                self.graphs.bind_view(binding, f"x{i}", source, [kept_rows, *source.shape()[1:]], source_row)
             else:  # a host array (the encoder without IO binding): copied to the device
-                binding.bind_cpu_input(f"x{i}", np.ascontiguousarray(source[:kept_rows]))
-            self.graphs.bind_view(binding, f"y{i}", target, [rows, heads, columns, head_dim], row, output=True)
+                binding.bind_cpu_input(f"x{i}", np.ascontiguousarray(source[source_row:source_row + kept_rows]))
+            self.graphs.bind_view(binding, f"y{i}", target, [rows, *target.shape()[1:]], target_row, output=True)
         session.run_with_iobinding(binding)
 
     def write(self, row: int, cross: Sequence[Tensor]) -> None:
@@ -251,18 +251,25 @@ class DeviceSlots:
         """Copy slots `sources` onto slots `targets` (each target once; a target may be among
         the sources: every source is read before any target is written), cache and cross
         keys/values (the cache only without `cross`), in place; whole rows (`columns` is for
-        `HostSlots`' interface: a row's first columns are not contiguous in it)."""
+        `HostSlots`' interface: a row's first columns are not contiguous in it). Each run of
+        consecutive sources onto consecutive targets is one copy of whole rows (the pad graph,
+        padding nothing); when a target is also a source, the sources are copied to staging
+        buffers first."""
         del columns
         buffers = [*self.cache, *self.cross] if cross else list(self.cache)
-        types = tuple(b.element_type() for b in buffers)
-        session = self.graphs.session(("move", types), lambda: move_graph(types))
-        binding = session.io_binding()
-        binding.bind_cpu_input("sources", np.ascontiguousarray(sources, dtype=np.int64))
-        binding.bind_cpu_input("targets", np.ascontiguousarray(targets, dtype=np.int64).reshape(-1, 1))
-        for i, buffer in enumerate(buffers):
-            binding.bind_ortvalue_input(f"x{i}", buffer)
-            binding.bind_ortvalue_output(f"y{i}", buffer)  # the same buffer: written in place
-        session.run_with_iobinding(binding)
+        sources = np.asarray(sources, dtype=np.int64)
+        targets = np.asarray(targets, dtype=np.int64)
+        origin = buffers
+        if np.intersect1d(sources, targets).size:
+            origin = [ort.OrtValue.ortvalue_from_shape_and_type(
+                [len(sources), *b.shape()[1:]], onnx_proto.NUMPY_TYPES[b.element_type()].type,
+                self.graphs.device, self.graphs.device_id) for b in buffers]
+            staged = np.arange(len(sources), dtype=np.int64)
+            for source, target, count in _runs(sources, staged):
+                self._copy(buffers, source, origin, target, count)
+            sources = staged
+        for source, target, count in _runs(sources, targets):
+            self._copy(origin, source, buffers, target, count)
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> DeviceSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
@@ -318,6 +325,18 @@ class DeviceSlots:
             self.graphs.bind_view(binding, past, value, view)
             self.graphs.bind_view(binding, present, value, view, output=True)  # the same memory: in place
         return binding
+
+
+def _runs(sources: np.ndarray, targets: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first source, first target, count) of each run of consecutive sources onto consecutive
+    targets, in the pairs' order."""
+    runs: list[tuple[int, int, int]] = []
+    for source, target in zip(sources.tolist(), targets.tolist(), strict=True):
+        if runs and source == runs[-1][0] + runs[-1][2] and target == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((source, target, 1))
+    return runs
 
 
 def _element_type(tensor: Tensor) -> int:

@@ -44,6 +44,9 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert report["target"]["service_max_batch_size"] == max(grid, key=grid.__getitem__)
     assert report["target"]["service_sentences_per_s"] == max(grid.values())
     assert report["in_process_alone"]["sentences"] == 24 and report["in_process_alone"]["latency_p50_s"] > 0
+    running = report["running_batch"]  # continuous batching in-process, its parts timed
+    assert running["rows"] == gpu_check.RUNNING_ROWS and running["steps"] > 0 and running["leaves"] > 0
+    assert running["total_s"] >= running["join_s"] + running["step_s"] and running["step_s"] > running["leave_s"] > 0
     for stats in [*report["service"].values(), *report["service_batch_sizes"].values(), *report["in_process"].values(),
                   *report["pytorch"]["batches"].values()]:
         assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
@@ -58,6 +61,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "| ONNX in-process, one sentence at a time (24 sentences) |" in text
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
+    assert "Continuous batching on the step graph in-process (64 slots, 8 newcomers per join)" in text
     # quality on the provider against the CPU's fp32 (the dry run: the CPU's own variant, int8 or fp32)
     scored = report["quality"]
     assert scored["variant"] == report["variant"] and scored["scores"]["rows"] == scored["cpu_fp32"]["rows"] > 0

@@ -27,6 +27,8 @@ def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path
     slots = modes["step graph, each row in its own slot"]["median"]
     assert slots["steps"] == in_place["steps"]  # the same tokens (fp32) on the step graph
     assert slots["copies"] < in_place["copies"]  # grown or shrunk a few times, never per join
+    assert 0 < slots["leaves"] < slots["steps"] and 0 < slots["leave_s"] < slots["step_s"]  # within the steps
+    assert in_place["leaves"] == 0  # the merged decoder's dead slots stay until a newcomer fills them
 
 
 def test_join_cost_times_chosen_modes_beside_ctranslate2_and_profiles_the_step_graph(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from service.runtime.step_buffers import CacheBuffers, run_step
 from tests.conftest import TINY_CONFIG, reversal_examples
 
 EOS, UNK = 3, 1
+LOGIT_ATOL = 1e-5  # the step graph's logits (|x| ~ 5) and the shortlist graph's, the same float32 weights
 
 
 def _session(path: str | Path) -> ort.InferenceSession:
@@ -58,7 +59,7 @@ def _inputs(runtime: ModelRuntime, trained_tiny) -> tuple[list[list[int]], list[
     return sources, tokens
 
 
-def test_every_id_in_order_gives_the_step_graphs_logits_exactly(int8, shortlist, trained_tiny) -> None:
+def test_every_id_in_order_gives_the_step_graphs_logits(int8, shortlist, trained_tiny) -> None:
     sources, tokens = _inputs(int8, trained_tiny)
     assert int8.step is not None
     full = _steps(int8, int8.step, sources, tokens, None)
@@ -66,7 +67,10 @@ def test_every_id_in_order_gives_the_step_graphs_logits_exactly(int8, shortlist,
     short = _steps(int8, shortlist.session, sources, tokens, shortlist.columns(everything))
     for a, b in zip(full, short, strict=True):
         assert a.shape == b.shape == (len(sources), TINY_CONFIG.vocab_size)
-        assert np.array_equal(a, b)
+        # equal on earlier onnxruntime builds; 1.32 sums the two projections (all columns, gathered ones) in
+        # another float32 order: ~1e-6 apart
+        np.testing.assert_allclose(b, a, rtol=0, atol=LOGIT_ATOL)
+        assert np.array_equal(b.argmax(axis=-1), a.argmax(axis=-1))
 
 
 def test_a_shortlist_holding_each_rows_argmax_picks_the_same_tokens(int8, shortlist, trained_tiny) -> None:
@@ -83,7 +87,7 @@ def test_a_shortlist_holding_each_rows_argmax_picks_the_same_tokens(int8, shortl
         assert {name: array.shape[-1] for name, array in columns.items()} == dict.fromkeys(columns, len(vocab))
         short = _steps(int8, shortlist.session, sources, tokens[:step + 1], columns)[-1]
         assert short.shape == (len(sources), len(vocab))
-        assert np.array_equal(short, logits[:, vocab])  # the same columns, computed alone
+        np.testing.assert_allclose(short, logits[:, vocab], rtol=0, atol=LOGIT_ATOL)  # the same columns, computed alone
         assert np.array_equal(vocab[short.argmax(axis=-1)], best)
 
 

@@ -16,10 +16,9 @@ from service.batching.slot_batch import SlotBatch, slots_on_device
 from service.generation.search import GenerationResult, generate
 from service.repository import graph_io
 from service.repository.manifest import read_manifest
-from service.runtime import CPU, ModelRuntime, onnx_proto
+from service.runtime import CPU, ModelRuntime, device_slots, onnx_proto
 from service.runtime.device_slots import (
     DeviceSlots,
-    move_graph,
     pad_graph,
     slot_graphs,
     zeros_graph,
@@ -196,6 +195,10 @@ def test_writes_moves_and_resizes_match_the_host_buffers(cross_dtype: type) -> N
     device.move_rows(np.array([3, 2]), np.array([1, 0]), 6)
     host.move_rows(np.array([3, 2]), np.array([1, 0]), 6)
     _same(device, host, 4, 6, cross_dtype)
+    # slots 2-3 onto slots 0-1: one run of two rows
+    device.move_rows(np.array([2, 3]), np.array([0, 1]), 6)
+    host.move_rows(np.array([2, 3]), np.array([0, 1]), 6)
+    _same(device, host, 4, 6, cross_dtype)
     # beams changing parents: slots swap and one copies onto another, the cache only
     cross_before = [value.numpy().copy() for value in device.cross]
     cache_before = [value.numpy().copy() for value in device.cache]
@@ -213,6 +216,12 @@ def test_writes_moves_and_resizes_match_the_host_buffers(cross_dtype: type) -> N
         for value in device.cache + device.cross:  # zeros past what was kept
             assert not value.numpy()[kept_rows:].any()
         assert not device.cache[0].numpy()[:, :, kept_columns:].any()
+
+
+def test_a_move_copies_each_run_of_consecutive_rows_at_once() -> None:
+    runs = device_slots._runs(np.array([5, 6, 7, 2, 9, 10]), np.array([0, 1, 2, 3, 4, 6]))
+    assert runs == [(5, 0, 3), (2, 3, 1), (9, 4, 1), (10, 6, 1)]
+    assert device_slots._runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []
 
 
 def test_a_resize_that_keeps_a_shape_keeps_its_buffers() -> None:
@@ -238,7 +247,7 @@ def test_a_host_resize_that_keeps_a_shape_keeps_its_buffers() -> None:
 def test_the_slot_graphs_are_valid_onnx() -> None:
     onnx = pytest.importorskip("onnx")
     types = (onnx_proto.FLOAT, onnx_proto.FLOAT16)
-    for graph in (move_graph(types), pad_graph(types), pad_graph(types, (onnx_proto.FLOAT16, onnx_proto.FLOAT16)),
+    for graph in (pad_graph(types), pad_graph(types, (onnx_proto.FLOAT16, onnx_proto.FLOAT16)),
                   zeros_graph(types)):
         onnx.checker.check_model(onnx.load_from_string(graph), full_check=True)
 
@@ -477,3 +486,26 @@ def test_the_fp16_variant_batches_on_its_step_graph_on_cuda(tiny_runtime: ModelR
     if read_manifest(tiny_fp16_repository).variants["fp16"].servable:  # measured within 1 point of fp32
         default = ModelRuntime.load(tiny_fp16_repository)
         assert (default.provider, default.variant) == (CUDA, "fp16") and default.step is not None
+
+
+def test_newcomers_to_device_slots_are_encoded_in_one_call(tiny_runtime: ModelRuntime, bound: ModelRuntime,
+                                                           sources) -> None:
+    """On a device an encoder call costs its launches, not its padding: a join's newcomers are
+    encoded together there, in groups of similar length with host slots."""
+    from service.batching.in_flight import encode_newcomers
+
+    newcomers = [[4, 5, EOS], *sources[:6], [19] * 30 + [EOS]]
+    owners, limits = list(range(len(newcomers))), [4] * len(newcomers)
+    on_device = SlotBatch(bound, on_device=True)
+    host = SlotBatch(tiny_runtime)
+    assert not host.on_device
+    device_groups, _ = encode_newcomers(bound, newcomers, owners, limits, None, on_device.padding_slack)
+    host_groups, _ = encode_newcomers(tiny_runtime, newcomers, owners, limits, None, host.padding_slack)
+    assert len(device_groups) == 1 and len(host_groups) > 1
+    on_device.concatenate(newcomers, owners, limits)
+    host.concatenate(newcomers, owners, limits)
+    finished = {}
+    while len(on_device) or len(host):
+        finished.update({("device", o): r.tokens for o, r in on_device.generate_token()})
+        finished.update({("host", o): r.tokens for o, r in host.generate_token()})
+    assert all(finished[("device", o)] == finished[("host", o)] for o in owners)
