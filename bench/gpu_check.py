@@ -41,6 +41,7 @@ from bench.load import closed_loop, text_bodies
 from bench.servers import ServerProcess, free_port, service_command
 from bench.stats import summarise
 from bench.workload import load as load_workload
+from service.core.settings import BATCH_ROWS
 from service.repository.manifest import read_manifest
 from service.runtime import CPU, CUDA, ModelRuntime
 from service.runtime.providers import cuda_unavailable_reason, prepare_cuda
@@ -379,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sentences", type=int, default=1024)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--service-batch-sizes", type=int, nargs="+", default=[64, 256],
-                        help="the service's --max-batch-size: the first at every concurrency, the others at the top one")
+    parser.add_argument("--service-batch-sizes", type=int, nargs="+", default=None,
+                        help="the service's --max-batch-size: the first at every concurrency, the others at the "
+                        "top one (default: the provider's default rows per batch, then 64 and 256)")
     parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 instead of 0 when it cannot run")
     args = parser.parse_args(argv)
@@ -399,12 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         "tests": "not run" if args.no_tests else run_gpu_tests(out),
         "step_graph_attention": gqa_cuda.check(), "step_graph_parity": [], "models": [],
     }
+    default_rows = BATCH_ROWS[args.provider]
+    service_batch_sizes = tuple(args.service_batch_sizes or dict.fromkeys([default_rows, 64, 256]))
     for model in args.model or [TASK_MODELS[t] for t in args.tasks]:
         if args.provider == CUDA:  # where the fp16 step graph departs from the CPU's, with and without host totals
             results["step_graph_parity"] += [step_graph_parity.compare(args.models / model, "fp16", CUDA, host)
                                              for host in (False, True)]
         results["models"].append(measure(args.models, model, args.texts, args.provider, args.sentences,
-                                         args.concurrency, args.batch_sizes, out, tuple(args.service_batch_sizes)))
+                                         args.concurrency, args.batch_sizes, out, service_batch_sizes))
     (out / "gpu-check.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (out / "gpu-check.md").write_text(markdown(results), encoding="utf-8")
     print(f"wrote {out / 'gpu-check.md'}")

@@ -266,8 +266,8 @@ class ModelRegistry:
         settings = self.settings
         workers = settings.batch_workers_on(runtime.provider)
         limits = BatchLimits(
-            max_batch_size=settings.max_batch_size,
-            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_size=settings.max_batch_size_on(runtime.provider),
+            max_batch_tokens=settings.max_batch_tokens_on(runtime.provider),
             max_wait_s=settings.max_wait_ms / 1000,
             max_join_wait_s=settings.max_join_wait_ms / 1000,
             max_join_age=settings.max_join_age,
@@ -276,7 +276,7 @@ class ModelRegistry:
             retry_after_s=settings.retry_after_s,
         )
         running_batch = self._running_batch(runtime) if self._running_batch else None
-        length_slack = max(1, settings.max_batch_size // 8) if settings.length_routing else 0
+        length_slack = max(1, limits.max_batch_size // 8) if settings.length_routing else 0
         entry.batcher = BatcherPool(entry.name, [
             Batcher(entry.name, generate, limits, running_batch, thread_name=f"batch-{entry.name}-{index}")
             for index in range(workers)], length_slack=length_slack)

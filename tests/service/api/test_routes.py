@@ -320,3 +320,26 @@ async def test_draining_turns_readiness_503_and_in_flight_work_finishes(
         await app.state.registry.close(5)
         closed = await client.post("/v1/translate", json={"text": "a"})
     assert_error(closed, 503, "not_ready")
+
+
+@pytest.mark.parametrize(("provider", "rows"), [("CPUExecutionProvider", 64), ("CUDAExecutionProvider", 256)])
+async def test_a_batch_holds_the_providers_default_rows(make_app: AppFactory, fake_model: FakeModel,
+                                                        provider: str, rows: int) -> None:
+    """Unset, `max_batch_size` is the model's provider's default (`BATCH_ROWS`): 300 requests
+    queued behind a held batch go out in batches of at most that many rows, the first full."""
+    app = make_app(loader=FakeLoader(provider=provider), max_queue_size=400)
+    async with serving(app) as client:
+        fake_model.gate = threading.Event()
+        started = len(fake_model.batches)
+        first = asyncio.ensure_future(client.post("/v1/translate", json={"text": "first"}))
+        await _until(lambda: len(fake_model.batches) > started)  # the worker holds one row
+        queued = [asyncio.ensure_future(client.post("/v1/translate", json={"text": "row"})) for _ in range(300)]
+        full = 'attnserve_queue_depth{model="translate-en-it"} 300.0'
+        for _ in range(2000):
+            if full in (await client.get("/metrics")).text:
+                break
+            await asyncio.sleep(0.005)
+        fake_model.gate.set()
+        assert all(r.status_code == 200 for r in await asyncio.gather(first, *queued))
+    sizes = [len(b) for b in fake_model.batches[started + 1:]]
+    assert sum(sizes) == 300 and sizes[0] == rows == max(sizes)

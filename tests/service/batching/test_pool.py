@@ -150,6 +150,15 @@ def test_batch_workers_default_on_the_cpu_by_batching_mode_and_share_its_cores()
     assert given.batch_workers_on("CUDAExecutionProvider") == 3 and given.session_threads() == 5
 
 
+def test_batch_limits_default_by_provider() -> None:
+    settings = Settings()
+    assert (settings.max_batch_size_on(CPU_PROVIDER), settings.max_batch_tokens_on(CPU_PROVIDER)) == (64, 8192)
+    cuda = "CUDAExecutionProvider"
+    assert (settings.max_batch_size_on(cuda), settings.max_batch_tokens_on(cuda)) == (256, 32768)
+    given = Settings(max_batch_size=32, max_batch_tokens=4096)
+    assert (given.max_batch_size_on(cuda), given.max_batch_tokens_on(cuda)) == (32, 4096)
+
+
 async def test_length_routing_keeps_similar_lengths_together_within_the_slack() -> None:
     model = FakeModel()
     model.gate = threading.Event()

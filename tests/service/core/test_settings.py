@@ -74,7 +74,7 @@ def test_the_gpu_memory_limit_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [{"max_batch_size": 0}, {"providers": ""}, {"max_texts": 20, "max_queue_size": 10},
+    [{"max_batch_size": -1}, {"providers": ""}, {"max_texts": 20, "max_queue_size": 10},
      {"max_texts": 10_000}, {"port": 70000}],
 )
 def test_invalid_settings(bad: dict[str, object]) -> None:
@@ -83,7 +83,7 @@ def test_invalid_settings(bad: dict[str, object]) -> None:
 
 
 def test_serve_refuses_invalid_settings() -> None:
-    args = build_parser().parse_args(["serve", "--max-batch-size", "0"])
+    args = build_parser().parse_args(["serve", "--max-batch-size", "-1"])
     assert args.func(args) == 2
 
 
