@@ -180,7 +180,7 @@ class SlotBatch(Generic[Owner]):
             on_device = slots_on_device(runtime)
         # newcomers are encoded in groups of similar length; on a device, all together (an encoder
         # call costs its launches there, not its padding)
-        self.padding_slack = padding_slack if padding_slack is not None else math.inf if on_device else PADDING_SLACK
+        self.padding_slack = padding_slack if padding_slack is not None else (math.inf if on_device else PADDING_SLACK)
         self._initial = (rows, capacity)
         self.quantum = quantum  # columns and source width grow to multiples of this
         self._members: list[Member[Owner] | BeamSlot[Owner]] = []  # live rows: slot i holds self._members[i]

@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     )
     max_batch_size: int = Field(
         default=0, ge=0, description="rows (texts) per batch; 0 = 64 on the CPU, 256 on CUDA "
-        "(bench/results/gpu: 2.4-2.7x the sentences/s of 64 rows there)",
+        "(bench/results/gpu)",
     )
     max_batch_tokens: int = Field(
         default=0, ge=0, description="padded tokens x beams per batch; 0 = 8192 on the CPU, 32768 on CUDA",
