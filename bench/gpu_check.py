@@ -4,7 +4,8 @@
    a GPU, or with onnxruntime's CPU build, it says why and exits 0 (`--require-gpu`: exits 1).
 2. The `gpu`-marked tests (`pytest -m gpu`), their JUnit XML kept beside the results.
 3. A short benchmark on the provider, in one run: the service over HTTP at each
-   `--concurrency` (its p50 at concurrency 1 is the single-request latency), and at the top one
+   `--concurrency` (its p50 at concurrency 1, over the first 128 sentences, is the single-request
+   latency), and at the top one
    with each other `--service-batch-sizes` as its rows per batch (on CUDA also in the other
    batching modes of `SERVICE_MODES`); the service's
    graphs in-process at each `--batch-sizes` and one sentence at a time (the first 128); and the alternatives that run on the same GPU
@@ -244,8 +245,8 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                 report["service_provider"], report["service_variant"] = served["provider"], served["variant"]
                 report["service_step_graph"] = served.get("step_graph")
                 report["service"] = {}
-                for clients in concurrency:
-                    result = asyncio.run(closed_loop(url, text_bodies(texts), clients))
+                for clients in concurrency:  # one client at a time: the first ALONE sentences, as in-process
+                    result = asyncio.run(closed_loop(url, text_bodies(texts if clients > 1 else texts[:ALONE]), clients))
                     report["service"][str(clients)] = result.stats().to_dict()
                 report["memory_during_service"] = gpu()
                 report["service_peak_rss_mib"] = server.rss.peak_bytes / 2**20 if server.rss else None

@@ -21,7 +21,9 @@ def test_without_a_gpu_it_says_why_and_exits_0(monkeypatch: pytest.MonkeyPatch,
     assert gpu_check.main(["--provider", CUDA, "--require-gpu"]) == 1
 
 
-def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp_path: Path) -> None:
+def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check, "ALONE", 16)  # one sentence at a time: the first 16 of the 24
     models = tmp_path / "models"
     shutil.copytree(tiny_model_repository, models / "tiny")
     texts = tmp_path / "texts" / "tiny"
@@ -43,11 +45,12 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     grid = {int(b): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
     assert report["target"]["service_max_batch_size"] == max(grid, key=grid.__getitem__)
     assert report["target"]["service_sentences_per_s"] == max(grid.values())
-    assert report["in_process_alone"]["sentences"] == 24 and report["in_process_alone"]["latency_p50_s"] > 0
+    assert report["in_process_alone"]["sentences"] == 16 and report["in_process_alone"]["latency_p50_s"] > 0
+    assert report["service"]["1"]["sentences"] == 16
     running = report["running_batch"]  # continuous batching in-process, its parts timed
     assert running["rows"] == gpu_check.RUNNING_ROWS and running["steps"] > 0 and running["leaves"] > 0
     assert running["total_s"] >= running["join_s"] + running["step_s"] and running["step_s"] > running["leave_s"] > 0
-    for stats in [*report["service"].values(), *report["service_batch_sizes"].values(), *report["in_process"].values(),
+    for stats in [report["service"]["4"], *report["service_batch_sizes"].values(), *report["in_process"].values(),
                   *report["pytorch"]["batches"].values()]:
         assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
     # the same-device alternatives: CTranslate2 on the CPU (int8) beside PyTorch, and the target line
@@ -58,7 +61,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     text = (folder / "gpu-check.md").read_text()
     assert "| service, concurrency 4, 8 rows per batch |" in text and "| CTranslate2 int8, batch 8 |" in text
     assert "| service, concurrency 4, 16 rows per batch |" in text
-    assert "| ONNX in-process, one sentence at a time (24 sentences) |" in text
+    assert "| ONNX in-process, one sentence at a time (16 sentences) |" in text
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
     assert "Continuous batching on the step graph in-process (64 slots, 8 newcomers per join)" in text
