@@ -89,8 +89,8 @@ def test_levers_run_a_baseline_checkout_in_the_same_turns(
                       "--variants", "defaults (continuous batching)", "--baseline", str(checkout))
     assert marker.exists()
     assert list(results["variants"]) == [BASELINE, "defaults (continuous batching)"]
-    for run in results["variants"].values():  # a run too short to be sure of a clock tick on the event loop
-        assert run["errors"] == 0 and 0 <= run["event_loop_cpu_s"] <= run["server_cpu_s"]
+    for run in results["variants"].values():  # too short a run for CPU times at clock-tick resolution to compare
+        assert run["errors"] == 0 and run["event_loop_cpu_s"] >= 0 and run["server_cpu_s"] >= 0
     assert f"| {BASELINE} | `-` |" in (out / "levers.md").read_text(encoding="utf-8")
 
 
