@@ -15,8 +15,8 @@ that touches them runs there:
   are written into its slots on the device, padded to the batch's source width;
 - rows moving into the holes of finished rows, and the buffers' growth and shrinking, are tiny
   ONNX graphs (Slice, Pad, Cast, ConstantOfShape, written with `onnx_proto`) run by a session of
-  the runtime's provider, bound in and out by IO binding: a move is a copy of whole rows from a
-  view of the buffer onto another view of it, one per run of consecutive rows.
+  the runtime's provider, bound in and out by IO binding: a move is a copy of whole rows from
+  views of the buffer onto other views of it, one view per run of consecutive rows.
 
 Views over the first n rows. OrtValue has no sub-views (no slicing of device memory), but the
 buffers are C-contiguous with the slot as the leading dimension, so the first n slots are the
@@ -118,6 +118,7 @@ def slot_graphs(provider: str, device: str, device_id: int) -> SlotGraphs:
 
 _RANK4 = ("rows", "heads", "columns", "head_dim")
 _ALL_COLUMNS = 2**62  # a Slice end past every buffer's columns
+RUNS_PER_CALL = 8  # row runs one move copies per call of the pad graph (a session per count up to this)
 
 
 def _tensor(name: str, element_type: int, prefix: str = "") -> bytes:
@@ -211,29 +212,32 @@ class DeviceSlots:
         row `row` on, zeros after those rows and columns; cast to the targets' type."""
         rows = kept_rows if rows is None else rows
         columns = targets[0].shape()[2]
-        self._run_pad(sources, 0, targets, row, kept_rows, rows, kept_columns,
-                      [0, 0, 0, 0, rows - kept_rows, 0, columns - kept_columns, 0])
+        self._run_pad([(source, 0, kept_rows, target, row, rows) for source, target in zip(sources, targets, strict=True)],
+                      kept_columns, [0, 0, 0, 0, rows - kept_rows, 0, columns - kept_columns, 0])
 
-    def _copy(self, sources: list[ort.OrtValue], source_row: int, targets: list[ort.OrtValue], target_row: int,
-              count: int) -> None:
-        """Copy rows source_row..source_row+count-1 of each of `sources` onto rows
-        target_row..target_row+count-1 of the target of the same index (the same columns and
-        type; the two row ranges must not overlap when source and target are one buffer)."""
-        self._run_pad(sources, source_row, targets, target_row, count, count, _ALL_COLUMNS, [0] * 8)
+    def _copy(self, sources: list[ort.OrtValue], targets: list[ort.OrtValue], runs: list[tuple[int, int, int]]) -> None:
+        """Copy each run (first source row, first target row, count) of rows of each of `sources`
+        onto the target of the same index (the same columns and type; a run's two row ranges must
+        not overlap when source and target are one buffer), `RUNS_PER_CALL` runs per call."""
+        for first in range(0, len(runs), RUNS_PER_CALL):
+            self._run_pad([(source, source_row, count, target, target_row, count)
+                           for source_row, target_row, count in runs[first:first + RUNS_PER_CALL]
+                           for source, target in zip(sources, targets, strict=True)], _ALL_COLUMNS, [0] * 8)
 
-    def _run_pad(self, sources: Sequence[Tensor], source_row: int, targets: list[ort.OrtValue], target_row: int,
-                 kept_rows: int, rows: int, kept_columns: int, pads: list[int]) -> None:
-        """The pad graph over rows source_row.. (`kept_rows` of them) of `sources`, written
-        into rows target_row..target_row+rows-1 of `targets` (each its own shape past the rows)."""
-        types = tuple(_element_type(s) for s in sources)
-        casts = tuple(t.element_type() for t in targets)
+    def _run_pad(self, views: list[tuple[Tensor, int, int, ort.OrtValue, int, int]], kept_columns: int,
+                 pads: list[int]) -> None:
+        """The pad graph over `views`, each (source, its first row, rows read, target, its first
+        row, rows written): the rows read of the source, written into the rows of the target
+        (each view its own shape past the rows)."""
+        types = tuple(_element_type(view[0]) for view in views)
+        casts = tuple(view[3].element_type() for view in views)
         session = self.graphs.session(("pad", types, casts), lambda: pad_graph(types, casts))
         binding = session.io_binding()
         binding.bind_cpu_input("starts", np.zeros(1, dtype=np.int64))
         binding.bind_cpu_input("ends", np.array([kept_columns], dtype=np.int64))
         binding.bind_cpu_input("axes", np.array([2], dtype=np.int64))
         binding.bind_cpu_input("pads", np.array(pads, dtype=np.int64))
-        for i, (source, target) in enumerate(zip(sources, targets, strict=True)):
+        for i, (source, source_row, kept_rows, target, target_row, rows) in enumerate(views):
             if isinstance(source, ort.OrtValue):
                 self.graphs.bind_view(binding, f"x{i}", source, [kept_rows, *source.shape()[1:]], source_row)
             else:  # a host array (the encoder without IO binding): copied to the device
@@ -252,9 +256,9 @@ class DeviceSlots:
         the sources: every source is read before any target is written), cache and cross
         keys/values (the cache only without `cross`), in place; whole rows (`columns` is for
         `HostSlots`' interface: a row's first columns are not contiguous in it). Each run of
-        consecutive sources onto consecutive targets is one copy of whole rows (the pad graph,
-        padding nothing); when a target is also a source, the sources are copied to staging
-        buffers first."""
+        consecutive sources onto consecutive targets is a copy of whole rows (the pad graph, padding
+        nothing), up to `RUNS_PER_CALL` of them in one call; when a target is also a source, the
+        sources are copied to staging buffers first."""
         del columns
         buffers = [*self.cache, *self.cross] if cross else list(self.cache)
         sources = np.asarray(sources, dtype=np.int64)
@@ -265,11 +269,9 @@ class DeviceSlots:
                 [len(sources), *b.shape()[1:]], onnx_proto.NUMPY_TYPES[b.element_type()].type,
                 self.graphs.device, self.graphs.device_id) for b in buffers]
             staged = np.arange(len(sources), dtype=np.int64)
-            for source, target, count in _runs(sources, staged):
-                self._copy(buffers, source, origin, target, count)
+            self._copy(buffers, origin, _runs(sources, staged))
             sources = staged
-        for source, target, count in _runs(sources, targets):
-            self._copy(origin, source, buffers, target, count)
+        self._copy(origin, buffers, _runs(sources, targets))
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> DeviceSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding

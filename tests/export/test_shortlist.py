@@ -67,8 +67,7 @@ def test_every_id_in_order_gives_the_step_graphs_logits(int8, shortlist, trained
     short = _steps(int8, shortlist.session, sources, tokens, shortlist.columns(everything))
     for a, b in zip(full, short, strict=True):
         assert a.shape == b.shape == (len(sources), TINY_CONFIG.vocab_size)
-        # equal on earlier onnxruntime builds; 1.32 sums the two projections (all columns, gathered ones) in
-        # another float32 order: ~1e-6 apart
+        # the two projections (all columns, gathered ones) may sum in another float32 order: ~1e-6 apart
         np.testing.assert_allclose(b, a, rtol=0, atol=LOGIT_ATOL)
         assert np.array_equal(b.argmax(axis=-1), a.argmax(axis=-1))
 

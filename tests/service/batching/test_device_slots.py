@@ -218,6 +218,28 @@ def test_writes_moves_and_resizes_match_the_host_buffers(cross_dtype: type) -> N
         assert not device.cache[0].numpy()[:, :, kept_columns:].any()
 
 
+def test_a_move_of_more_runs_than_one_call_takes_matches_the_host_buffers() -> None:
+    """Departures of 10 scattered rows (10 runs: two calls of the pad graph) and a beam-like
+    permutation of them (staged) leave the device buffers as the host buffers."""
+    rng = np.random.default_rng(3)
+    rows = 24
+    device = DeviceSlots(slot_graphs(CPU, "cpu", 0), LAYERS, rows, HEADS, 6, HEAD_DIM, width=5)
+    host = HostSlots(LAYERS, rows, HEADS, 6, HEAD_DIM, width=5)
+    cross = [_random(rng, (rows, HEADS, 5, HEAD_DIM)) for _ in range(2 * LAYERS)]
+    device.write(0, cross)
+    host.write(0, cross)
+    for value, array in zip(device.cache, host.buffers.arrays, strict=True):
+        written = _random(rng, (rows, HEADS, 6, HEAD_DIM))
+        array[:] = written
+        value.update_inplace(written)
+    sources, targets = np.arange(23, 3, -2), np.arange(0, 20, 2)
+    assert len(device_slots._runs(sources, targets)) == 10 > device_slots.RUNS_PER_CALL
+    for slots in (device, host):
+        slots.move_rows(sources, targets, 6)
+        slots.move_rows(targets, targets[::-1].copy(), 6, cross=False)  # a permutation: every target a source
+    _same(device, host, rows, 6)
+
+
 def test_a_move_copies_each_run_of_consecutive_rows_at_once() -> None:
     runs = device_slots._runs(np.array([5, 6, 7, 2, 9, 10]), np.array([0, 1, 2, 3, 4, 6]))
     assert runs == [(5, 0, 3), (2, 3, 1), (9, 4, 1), (10, 6, 1)]
