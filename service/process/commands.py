@@ -56,8 +56,8 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    help="let onnxruntime's idle threads spin between calls (default off: they "
                    "sleep, leaving the cores to the HTTP event loop)")
     p.add_argument("--step-graph", action=argparse.BooleanOptionalAction,
-                   help="continuous batching on the step graph (default: where the provider serves it "
-                   "by default, the CPU; CUDA only when asked, until verified on a GPU)")
+                   help="continuous batching on the step graph (default: wherever its attention has a "
+                   "kernel on the provider; --no-step-graph: on the merged decoder)")
     p.add_argument("--gpu-memory-limit-mb", type=int,
                    help="cap of onnxruntime's CUDA memory arena per session (encoder, decoder, step "
                    "graph of each model), in MiB (default 0: no cap)")
@@ -68,9 +68,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    help="with several batch workers, send a request to the one whose rows have "
                    "the closest source length among the nearly least loaded (default on; "
                    "--no-length-routing: the least loaded)")
-    p.add_argument("--max-batch-size", type=int, help="rows per batch (default 64)")
+    p.add_argument("--max-batch-size", type=int, help="rows per batch (default 0: 64 on the CPU, 256 on CUDA)")
     p.add_argument("--max-batch-tokens", type=int,
-                   help="padded source tokens x beams per batch (default 8192)")
+                   help="padded source tokens x beams per batch (default 0: 8192 on the CPU, 32768 on CUDA)")
     p.add_argument("--max-wait-ms", type=float, help="longest wait for a batch (default 5)")
     p.add_argument("--continuous-batching", action=argparse.BooleanOptionalAction,
                    help="greedy requests join the running batch between decoder steps "

@@ -65,9 +65,9 @@ def test_serving_reports_the_cuda_provider() -> None:
 
 @pytest.mark.parametrize("model", ["translate-en-it", "summarize-en"])
 def test_fp16_on_cuda_batches_on_its_step_graph(model: str) -> None:
-    """CUDA serves the fp16 variant, and continuous batching on its step graph when asked for
-    (float16 caches, which CUDA's attention kernel takes), the slots on the GPU; float16
-    arithmetic may move a close call, so most rows, not all, decode the CPU's fp32 tokens."""
+    """CUDA serves the fp16 variant, and continuous batching on its step graph (asked for here,
+    served by default too: float16 caches, which CUDA's attention kernel takes), the slots on the
+    GPU; float16 arithmetic may move a close call, so most rows, not all, decode the CPU's fp32 tokens."""
     from service.batching.slot_batch import SlotBatch
 
     cuda = ModelRuntime.load(MODELS / model, [CUDA, CPU], step_graph=True)
