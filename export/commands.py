@@ -21,6 +21,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_check_parity(subcommands)
     _register_add_step_graph(subcommands)
     _register_add_shortlist(subcommands)
+    _register_update_step_graphs(subcommands)
 
 
 def _register_export(subcommands: argparse._SubParsersAction) -> None:
@@ -253,6 +254,32 @@ def _add_step_graph(args: argparse.Namespace) -> int:
     print(json.dumps({"model": manifest.name, "step_decoder": manifest.variants["fp16"].step_decoder,
                       "size_mb": manifest.exporter.get("size_mb"),
                       "step_graph_agreement": manifest.exporter["step_graph_agreement"]["fp16"]}, indent=2))
+    return 0
+
+
+def _register_update_step_graphs(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser(
+        "update-step-graphs", help="give a model repository's step graphs this exporter's graph passes",
+        description="Rewrite the step graphs a repository ships (each variant's decoder_step and its "
+        "shortlist's) with the graph passes a new export applies (every layer reads its cache's shape from "
+        "one input, so onnxruntime computes the per-layer index arithmetic once per step); check that each "
+        "gives the old graph's outputs exactly and record the new sha256s. Weights and every other file stay "
+        "as they are; on failure the repository is left unchanged.",
+    )
+    p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
+    p.set_defaults(func=_update_step_graphs)
+
+
+def _update_step_graphs(args: argparse.Namespace) -> int:
+    from export.repository import update_step_graphs
+    from service.repository.manifest import ManifestError
+
+    try:
+        changed = update_step_graphs(args.model_dir)
+    except (ManifestError, RuntimeError, OSError) as error:
+        logger.error("cannot update the step graphs of %s: %s", args.model_dir, error)
+        return 2
+    print(json.dumps({"model_dir": args.model_dir, "updated": changed}, indent=2))
     return 0
 
 

@@ -20,7 +20,7 @@ import torch
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
 from export.parity import check_parity, parity_sources, step_agreement
 from export.quality import MAX_DROP, measure_quality, within_bound
-from export.step_graph import STEP_DECODER_FILE, export_step_graph
+from export.step_graph import STEP_DECODER_FILE, export_step_graph, share_input_shapes
 from export.storage import WEIGHTS_FILE as GRAPH_WEIGHTS_FILE
 from export.storage import add_graphs, load_graph, save_graphs
 from export.variants import PRECISIONS, convert, convert_step
@@ -326,6 +326,82 @@ def add_step_graph(
         raise
     log.info("%s: added %s (%d bytes)", directory, name, (directory / name).stat().st_size)
     return manifest
+
+
+def step_graph_files(manifest: Manifest) -> list[str]:
+    """The step graphs a repository ships: each variant's and its shortlist's, once each."""
+    files = [variant.step_decoder for variant in manifest.variants.values() if variant.step_decoder]
+    files += [variant.shortlist["step_decoder"] for variant in manifest.variants.values() if variant.shortlist]
+    return list(dict.fromkeys(files))
+
+
+def update_step_graphs(directory: str | Path) -> list[str]:
+    """Give the step graphs of the repository `directory` (`step_graph_files`) this exporter's
+    graph passes (`share_input_shapes`), in place: only the graphs' nodes change, their weights
+    stay where they are. Each changed graph must give the old one's outputs exactly on random
+    inputs (`_same_outputs`); the manifest then lists the new sha256s. Returns the files
+    changed (none when they have the passes already); on any failure the repository is left
+    as it was."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest)
+    originals: dict[str, bytes] = {}
+    manifest_text = (directory / MANIFEST_FILE).read_bytes()
+    try:
+        for name in step_graph_files(manifest):
+            path = directory / name
+            graph = onnx.load_model(str(path), load_external_data=False)
+            if not share_input_shapes(graph):
+                continue
+            originals[name] = path.read_bytes()
+            onnx.save_model(graph, str(path))
+            _same_outputs(path, originals[name], manifest.config.vocab_size)
+        if originals:
+            write_manifest(directory, manifest)
+            verify_files(directory, read_manifest(directory))
+    except BaseException:
+        for name, data in originals.items():
+            (directory / name).write_bytes(data)
+        (directory / MANIFEST_FILE).write_bytes(manifest_text)
+        raise
+    for name in originals:
+        log.info("%s: %s updated", directory, name)
+    return list(originals)
+
+
+def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -> None:
+    """The step graph at `path` gives exactly the outputs of the graph `original` (serialized,
+    its weights beside `path`) on random inputs: 3 rows, 8 cache columns, sources of 5, ids
+    below `vocab_size`."""
+    import numpy as np
+    import onnxruntime as ort
+
+    scratch = path.with_name(f".{path.name}.original")
+    scratch.write_bytes(original)
+    try:
+        sessions = [ort.InferenceSession(str(p), providers=[CPU]) for p in (path, scratch)]
+    finally:
+        scratch.unlink()
+    rng = np.random.default_rng(seed)
+    sizes = {"batch": 3, "capacity": 8, "source_len": 5, "shortlist": 16}
+    feed: dict[str, np.ndarray] = {}
+    for value in sessions[1].get_inputs():
+        shape = [d if isinstance(d, int) else sizes.get(d, 4) for d in value.shape]
+        if value.name == "source_mask":
+            feed[value.name] = np.arange(shape[1])[None, :] < rng.integers(1, shape[1] + 1, (shape[0], 1))
+        elif value.name == "positions":
+            feed[value.name] = rng.integers(0, sizes["capacity"], shape)
+        elif value.type == "tensor(int64)":
+            feed[value.name] = rng.integers(0, vocab_size, shape)
+        elif value.type == "tensor(int8)":
+            feed[value.name] = rng.integers(-8, 8, shape).astype(np.int8)
+        else:
+            dtype = np.float16 if value.type == "tensor(float16)" else np.float32
+            feed[value.name] = (rng.random(shape, dtype=np.float32) * 0.5 + 0.01).astype(dtype)
+    new, old = (session.run(None, feed) for session in sessions)
+    for output, a, b in zip(sessions[1].get_outputs(), new, old, strict=True):
+        if not np.array_equal(a, b):
+            raise RuntimeError(f"{path}: output {output.name} changed with the graph passes")
 
 
 def _exporter_info() -> dict[str, Any]:

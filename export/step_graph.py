@@ -217,14 +217,49 @@ def example_step_inputs(model: Transformer) -> tuple[Tensor | tuple[Tensor, ...]
     )
 
 
+def _declared_shape(value: onnx.ValueInfoProto) -> tuple[str | int, ...] | None:
+    """A graph input's declared dimensions (names or sizes), or None if one is undeclared."""
+    dims = value.type.tensor_type.shape.dim
+    shape = tuple(d.dim_param if d.HasField("dim_param") else d.dim_value for d in dims)
+    return shape if all(d.HasField("dim_param") or d.HasField("dim_value") for d in dims) else None
+
+
+def share_input_shapes(graph: onnx.ModelProto) -> int:
+    """Make every `Shape` of a graph input read the first input declared with the same
+    dimensions (in place); returns the nodes rewired.
+
+    Each layer derives its attention's total and its cross-attention's gather indices from the
+    shape of its own cache or cross keys/values, which the graph declares with the same named
+    dimensions in every layer (`graph_io`) and the runtime allocates together. Read from one
+    input, those computations become identical, and onnxruntime's common-subexpression
+    elimination runs them once per step instead of once per layer (fewer kernels per step,
+    the same results)."""
+    first: dict[tuple[str | int, ...], str] = {}
+    canonical: dict[str, str] = {}
+    for value in graph.graph.input:
+        shape = _declared_shape(value)
+        if shape is not None and any(isinstance(d, str) for d in shape):
+            canonical[value.name] = first.setdefault(shape, value.name)
+    rewired = 0
+    for node in graph.graph.node:
+        if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.input:
+            target = canonical.get(node.input[0], node.input[0])
+            if target != node.input[0]:
+                node.input[0] = target
+                rewired += 1
+    return rewired
+
+
 @torch.no_grad()
 def export_step_graph(model: Transformer) -> onnx.ModelProto:
-    """The fp32 step graph in memory."""
+    """The fp32 step graph in memory (per-layer shape reads shared: `share_input_shapes`)."""
     from export.onnx_export import export_graph
 
     layers = model.config.n_decoder_layers
     auto = torch.export.Dim.AUTO
     kv = tuple({0: auto, 2: auto} for _ in range(2 * layers))
-    return export_graph(StepGraph(model.eval()), example_step_inputs(model), graph_io.step_inputs(layers),
-                        graph_io.step_outputs(layers), ({0: auto}, {0: auto}, {0: auto, 1: auto}, kv, kv),
-                        "decoder_step", translations=TRANSLATIONS)
+    graph = export_graph(StepGraph(model.eval()), example_step_inputs(model), graph_io.step_inputs(layers),
+                         graph_io.step_outputs(layers), ({0: auto}, {0: auto}, {0: auto, 1: auto}, kv, kv),
+                         "decoder_step", translations=TRANSLATIONS)
+    share_input_shapes(graph)
+    return graph
