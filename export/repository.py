@@ -380,6 +380,8 @@ def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -
     scratch.write_bytes(original)
     try:
         sessions = [ort.InferenceSession(str(p), providers=[CPU]) for p in (path, scratch)]
+    except Exception as error:  # onnxruntime's own types
+        raise RuntimeError(f"{path}: onnxruntime cannot load the graph: {error}") from error
     finally:
         scratch.unlink()
     rng = np.random.default_rng(seed)
@@ -398,7 +400,10 @@ def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -
         else:
             dtype = np.float16 if value.type == "tensor(float16)" else np.float32
             feed[value.name] = (rng.random(shape, dtype=np.float32) * 0.5 + 0.01).astype(dtype)
-    new, old = (session.run(None, feed) for session in sessions)
+    try:
+        new, old = (session.run(None, feed) for session in sessions)
+    except Exception as error:  # onnxruntime's own types
+        raise RuntimeError(f"{path}: the graph fails on random inputs: {error}") from error
     for output, a, b in zip(sessions[1].get_outputs(), new, old, strict=True):
         if not np.array_equal(a, b):
             raise RuntimeError(f"{path}: output {output.name} changed with the graph passes")
