@@ -105,6 +105,25 @@ def test_top_k_and_log_softmax() -> None:
     assert np.exp(log_softmax(scores)).sum() == pytest.approx(1.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("size", [63, 1024, 4 * 8000, 4 * 8000 + 37])
+def test_top_k_is_a_stable_sort_of_the_row(size: int) -> None:
+    """Short rows and long ones (where only the elements above a bound from the blocks' maxima
+    are sorted) give the k best of a full stable sort: scores, indices and the order of ties,
+    with rows of many equal scores and rows whose first half is -inf (dead beams)."""
+    rng = np.random.default_rng(size)
+    for trial in range(40):
+        scores = rng.standard_normal((3, size)).astype(np.float32)
+        if trial % 2:
+            scores = np.round(scores * 4) / 4  # many ties
+        if trial % 5 == 0:
+            scores[1, : size // 2] = -np.inf
+        k = int(rng.integers(1, 9))
+        expected = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+        values, index = top_k(scores, k)
+        np.testing.assert_array_equal(index, expected)
+        np.testing.assert_array_equal(values, np.take_along_axis(scores, expected, axis=-1))
+
+
 def test_bad_arguments(tiny_runtime: ModelRuntime) -> None:
     assert generate(tiny_runtime, [], 1, 4) == []
     with pytest.raises(ValueError, match="EOS"):
