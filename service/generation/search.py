@@ -118,9 +118,9 @@ def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
     A long row is not partitioned whole: the k-th largest of its blocks' maxima (blocks of
     `TOP_K_BLOCK` elements) is a value that at least k elements reach, so the k best are among
-    the elements at or above it, and only those are sorted. A beam-search step asks this of
-    k x vocabulary candidates per row, where a partition of the whole row costs about a hundred
-    times a pass of `max` over it."""
+    the elements at or above it, and only those are sorted: a pass of `max` over a row costs far
+    less than a partition of it (a beam-search step asks this of k x vocabulary candidates per
+    row)."""
     k = min(k, scores.shape[-1])
     rows, size = scores.shape
     blocks = size // TOP_K_BLOCK
