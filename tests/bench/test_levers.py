@@ -44,6 +44,32 @@ def test_levers_time_ctranslate2_in_the_same_turns(tiny_bench_dirs: tuple[Path, 
     ratio = results["variants"]["defaults (continuous batching)"]["sentences_per_s"] / reference["sentences_per_s"]
     table = (out / "levers.md").read_text(encoding="utf-8")
     assert f"| {ratio:.2f} |" in table and "| CTranslate2 int8 `translate_batch`" in table
+    # its setting is the best point of its grid, timed before the turns (not its defaults)
+    from bench.ctranslate2_runs import settings_grid
+
+    tuning = results["ctranslate2_tuning"]
+    assert len(tuning["points"]) == len(settings_grid())
+    best = max(tuning["points"], key=lambda p: p["sentences_per_s"])["settings"]
+    assert (reference["replicas"], reference["intra_threads"], reference["max_batch_size"], reference["batch_type"]) == \
+        (best["inter_threads"], best["intra_threads"], best["max_batch_size"], best["batch_type"])
+    assert "tuned once before the turns" in table
+
+
+def test_at_concurrency_1_ctranslate2_runs_its_fastest_thread_pair_for_one_sentence(
+        tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    pytest.importorskip("ctranslate2")
+    from bench.ctranslate2_runs import thread_grid
+
+    out = tmp_path / "levers"
+    results = _levers(tiny_bench_dirs, out, "--concurrency", "1", "--repeats", "1",
+                      "--variants", "defaults (continuous batching)", "--ctranslate2")
+    reference, tuning = results["ctranslate2"], results["ctranslate2_tuning"]
+    assert reference["single"]
+    pairs = [(p["settings"]["inter_threads"], p["settings"]["intra_threads"]) for p in tuning["single_points"]]
+    assert pairs == thread_grid()
+    fastest = min(tuning["single_points"], key=lambda p: p["latency_p50_s"])["settings"]
+    assert (reference["replicas"], reference["intra_threads"]) == (fastest["inter_threads"], fastest["intra_threads"])
+    assert "its single-sentence p50" in (out / "levers.md").read_text(encoding="utf-8")
 
 
 def test_levers_time_ctranslate2_at_a_chosen_setting(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
