@@ -20,7 +20,12 @@ import torch
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
 from export.parity import check_parity, parity_sources, step_agreement
 from export.quality import MAX_DROP, measure_quality, within_bound
-from export.step_graph import STEP_DECODER_FILE, export_step_graph, share_input_shapes
+from export.step_graph import (
+    STEP_DECODER_FILE,
+    export_step_graph,
+    random_step_inputs,
+    share_input_shapes,
+)
 from export.storage import WEIGHTS_FILE as GRAPH_WEIGHTS_FILE
 from export.storage import add_graphs, load_graph, save_graphs
 from export.variants import PRECISIONS, convert, convert_step
@@ -371,8 +376,7 @@ def update_step_graphs(directory: str | Path) -> list[str]:
 
 def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -> None:
     """The step graph at `path` gives exactly the outputs of the graph `original` (serialized,
-    its weights beside `path`) on random inputs: 3 rows, 8 cache columns, sources of 5, ids
-    below `vocab_size`."""
+    its weights beside `path`) on `random_step_inputs`."""
     import numpy as np
     import onnxruntime as ort
 
@@ -384,22 +388,7 @@ def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -
         raise RuntimeError(f"{path}: onnxruntime cannot load the graph: {error}") from error
     finally:
         scratch.unlink()
-    rng = np.random.default_rng(seed)
-    sizes = {"batch": 3, "capacity": 8, "source_len": 5, "shortlist": 16}
-    feed: dict[str, np.ndarray] = {}
-    for value in sessions[1].get_inputs():
-        shape = [d if isinstance(d, int) else sizes.get(d, 4) for d in value.shape]
-        if value.name == "source_mask":
-            feed[value.name] = np.arange(shape[1])[None, :] < rng.integers(1, shape[1] + 1, (shape[0], 1))
-        elif value.name == "positions":
-            feed[value.name] = rng.integers(0, sizes["capacity"], shape)
-        elif value.type == "tensor(int64)":
-            feed[value.name] = rng.integers(0, vocab_size, shape)
-        elif value.type == "tensor(int8)":
-            feed[value.name] = rng.integers(-8, 8, shape).astype(np.int8)
-        else:
-            dtype = np.float16 if value.type == "tensor(float16)" else np.float32
-            feed[value.name] = (rng.random(shape, dtype=np.float32) * 0.5 + 0.01).astype(dtype)
+    feed = random_step_inputs(sessions[1], vocab_size, seed)
     try:
         new, old = (session.run(None, feed) for session in sessions)
     except Exception as error:  # onnxruntime's own types

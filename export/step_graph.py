@@ -250,6 +250,32 @@ def share_input_shapes(graph: onnx.ModelProto) -> int:
     return rewired
 
 
+def random_step_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str, Any]:
+    """Random inputs for a step graph's onnxruntime `session`: 3 rows, 8 cache columns, sources
+    of at most 5 (a prefix of each row's mask), positions within the cache, ids below
+    `vocab_size`; any other int8 input (a shortlist's columns) small integers, float inputs
+    positive (float16 where the graph takes it)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sizes = {"batch": 3, "capacity": 8, "source_len": 5, "shortlist": 16}
+    feed: dict[str, Any] = {}
+    for value in session.get_inputs():
+        shape = [d if isinstance(d, int) else sizes.get(d, 4) for d in value.shape]
+        if value.name == "source_mask":
+            feed[value.name] = np.arange(shape[1])[None, :] < rng.integers(1, shape[1] + 1, (shape[0], 1))
+        elif value.name == "positions":
+            feed[value.name] = rng.integers(0, sizes["capacity"], shape)
+        elif value.type == "tensor(int64)":
+            feed[value.name] = rng.integers(0, vocab_size, shape)
+        elif value.type == "tensor(int8)":
+            feed[value.name] = rng.integers(-8, 8, shape).astype(np.int8)
+        else:
+            dtype = np.float16 if value.type == "tensor(float16)" else np.float32
+            feed[value.name] = (rng.random(shape, dtype=np.float32) * 0.5 + 0.01).astype(dtype)
+    return feed
+
+
 @torch.no_grad()
 def export_step_graph(model: Transformer) -> onnx.ModelProto:
     """The fp32 step graph in memory (per-layer shape reads shared: `share_input_shapes`)."""

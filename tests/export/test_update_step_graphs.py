@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from export.repository import step_graph_files, update_step_graphs
-from export.step_graph import share_input_shapes
+from export.step_graph import random_step_inputs, share_input_shapes
 from service.repository.manifest import read_manifest, verify_files, write_manifest
 from service.runtime import CPU, ModelRuntime
 
@@ -49,23 +49,6 @@ def _optimized_nodes(graph: onnx.ModelProto, path: Path) -> int:
     return len(onnx.load_model(str(path), load_external_data=False).graph.node)
 
 
-def _random_feed(session: ort.InferenceSession, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    sizes = {"batch": 3, "capacity": 6, "source_len": 5}
-    feed = {}
-    for value in session.get_inputs():
-        shape = [d if isinstance(d, int) else sizes[d] for d in value.shape]
-        if value.name == "source_mask":
-            feed[value.name] = np.arange(shape[1])[None, :] < np.array([[5], [2], [1]])
-        elif value.name == "positions":
-            feed[value.name] = np.array([[0], [3], [5]])
-        elif value.name == "input_ids":
-            feed[value.name] = rng.integers(4, 16, shape)
-        else:
-            feed[value.name] = rng.standard_normal(shape).astype(np.float32)
-    return feed
-
-
 def test_every_layer_reads_its_cache_shapes_from_one_input(trained_tiny, tmp_path: Path) -> None:
     """The exported step graph reads the shapes of layer 0's cache and cross keys/values only;
     onnxruntime then runs the index arithmetic once for all layers (fewer nodes after its
@@ -87,7 +70,7 @@ def test_every_layer_reads_its_cache_shapes_from_one_input(trained_tiny, tmp_pat
     assert share_input_shapes(again) == _unshared(onnx.load_from_string(shared.SerializeToString()))
     assert again.SerializeToString() == shared.SerializeToString()
     sessions = [ort.InferenceSession(g.SerializeToString(), providers=[CPU]) for g in (shared, per_layer)]
-    feed = _random_feed(sessions[0])
+    feed = random_step_inputs(sessions[0], model.config.vocab_size)
     for a, b in zip(*(s.run(None, feed) for s in sessions), strict=True):
         np.testing.assert_array_equal(a, b)
 
