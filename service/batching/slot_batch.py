@@ -12,7 +12,9 @@ limit (`max_join_age`) exists for the padded cache and does not apply here (`pad
 The live rows stay dense in slots 0..n-1: when rows finish, the last live rows move into their
 holes (a copy of those rows' own columns). Slots grow by doubling, cache columns and the cross
 keys/values' source width to the next multiple of 32 (one copy of the live rows each time);
-they shrink again when at most a quarter of the slots, columns or source width is in use. Spare
+they shrink again when at most a quarter of the slots, columns or source width is in use, unless
+the buffers hold at most `keep_bytes` (a few MiB by default): shrinking buffers that small saves
+little memory, and at low concurrency the next row would grow them again, a copy per request. Spare
 columns cost no compute (the graph reads each row's own length) and spare source width only a
 masked stretch of cross-attention, far less than the copy that resizing costs; so the arrays
 are kept generous and a batch whose lengths come and go does not resize at every join and
@@ -80,6 +82,7 @@ from service.runtime.tensors import Tensor
 
 PADDING_SLACK = 1.25  # host slots: newcomers encoded together while rows x longest <= this x their tokens
 QUANTUM = 32  # cache columns and source width grow to the next multiple of this, not by doubling
+KEEP_BYTES = 8 << 20  # slot buffers of at most this many bytes are not shrunk
 
 
 def _doubled(size: int, needed: int) -> int:
@@ -137,6 +140,8 @@ class Slots(Protocol):
     def capacity(self) -> int: ...
     @property
     def width(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
     def write(self, row: int, cross: Sequence[Tensor]) -> None: ...
     def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int, cross: bool = True) -> None: ...
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> Slots: ...
@@ -171,7 +176,7 @@ class SlotBatch(Generic[Owner]):
     def __init__(self, runtime: Runtime, padding_slack: float | None = None, scores: bool = True,
                  rows: int = 8, capacity: int = QUANTUM, quantum: int = QUANTUM,
                  on_device: bool | None = None, shortlist_rows: int = 0,
-                 shortlist_share: float = SHORTLIST_SHARE) -> None:
+                 shortlist_share: float = SHORTLIST_SHARE, keep_bytes: int = KEEP_BYTES) -> None:
         if runtime.step is None:
             raise ValueError("the runtime has no step graph (decoder_step.onnx): use RunningBatch")
         self.runtime = runtime
@@ -183,6 +188,7 @@ class SlotBatch(Generic[Owner]):
         self.padding_slack = padding_slack if padding_slack is not None else (math.inf if on_device else PADDING_SLACK)
         self._initial = (rows, capacity)
         self.quantum = quantum  # columns and source width grow to multiples of this
+        self.keep_bytes = keep_bytes  # slot buffers this small are never shrunk
         self._members: list[Member[Owner] | BeamSlot[Owner]] = []  # live rows: slot i holds self._members[i]
         # the beam-search rows among them (each in k slots), in the order they joined
         self._beams: dict[BeamGroup[Owner], None] = {}
@@ -423,7 +429,9 @@ class SlotBatch(Generic[Owner]):
 
     def _shrink(self) -> None:
         """Smaller arrays when at most a quarter of the slots, the columns or the source width
-        is in use (never below the initial sizes)."""
+        is in use (never below the initial sizes), unless they hold at most `keep_bytes`."""
+        if self._slots.nbytes <= self.keep_bytes:
+            return
         live = len(self._members)
         rows, capacity = self._initial
         used_columns = int(self._positions[:live].max()) + 1 if live else 0

@@ -188,6 +188,12 @@ class DeviceSlots:
     def width(self) -> int:
         return int(self.cross[0].shape()[2])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache and cross buffers together, on the device."""
+        return sum(int(np.prod(value.shape(), dtype=np.int64)) * onnx_proto.NUMPY_TYPES[value.element_type()].itemsize
+                   for value in (*self.cache, *self.cross))
+
     def _allocate(self, dims: tuple[int, int, int, int], element_type: int) -> list[ort.OrtValue]:
         dtype = onnx_proto.NUMPY_TYPES[element_type].type
         return [ort.OrtValue.ortvalue_from_shape_and_type(list(dims), dtype, self.graphs.device, self.graphs.device_id)

@@ -173,6 +173,11 @@ class HostSlots:
     def width(self) -> int:
         return int(self.cross[0].shape[2])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache and cross buffers together."""
+        return sum(array.nbytes for array in (*self.buffers.arrays, *self.cross))
+
     def write(self, row: int, cross: Sequence[Tensor]) -> None:
         """Write a group of newcomers' cross keys/values (cross_key.0, cross_value.0, ...:
         (count, h, w, d), w <= width) into slots row..row+count-1, zeros past w."""

@@ -45,7 +45,8 @@ def _schedule(runtime: ModelRuntime, sources: list[list[int]], on_device: bool, 
               limits: list[int]) -> tuple[dict[int, GenerationResult], list[tuple[int, int, int]]]:
     """Rows join 0-3 at a time at random steps of one batch that starts with 2 slots of 2
     columns (growing by 2); returns every row's result and the (slots, columns, source width) after each step."""
-    batch: SlotBatch[int] = SlotBatch(runtime, rows=2, capacity=2, quantum=2, on_device=on_device)
+    batch: SlotBatch[int] = SlotBatch(runtime, rows=2, capacity=2, quantum=2, on_device=on_device,
+                                      keep_bytes=0)
     assert batch.on_device is on_device
     rng = np.random.default_rng(seed)
     pending = list(range(len(sources)))
@@ -216,6 +217,10 @@ def test_writes_moves_and_resizes_match_the_host_buffers(cross_dtype: type) -> N
         for value in device.cache + device.cross:  # zeros past what was kept
             assert not value.numpy()[kept_rows:].any()
         assert not device.cache[0].numpy()[:, :, kept_columns:].any()
+        cache_bytes = 2 * LAYERS * rows * HEADS * capacity * HEAD_DIM * 4
+        cross_bytes = 2 * LAYERS * rows * HEADS * width * HEAD_DIM * np.dtype(cross_dtype).itemsize
+        assert device.nbytes == cache_bytes + cross_bytes
+        assert host.nbytes == cache_bytes + 2 * LAYERS * rows * HEADS * width * HEAD_DIM * 4  # float32 cross
 
 
 def test_a_move_of_more_runs_than_one_call_takes_matches_the_host_buffers() -> None:

@@ -84,7 +84,7 @@ def test_a_join_writes_into_the_buffers_without_copying_them(tiny_runtime: Model
 
 
 def test_the_buffers_shrink_when_few_rows_are_left(tiny_runtime: ModelRuntime, sources) -> None:
-    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=4)
+    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=4, keep_bytes=0)
     batch.concatenate(sources[:12], list(range(12)), [1] * 11 + [14])
     assert batch.slots == 16
     batch.generate_token()  # eleven rows leave at their token limit
@@ -94,10 +94,30 @@ def test_the_buffers_shrink_when_few_rows_are_left(tiny_runtime: ModelRuntime, s
     assert results[11].tokens == _alone(tiny_runtime, sources[11], 14).tokens
 
 
+def test_buffers_within_keep_bytes_stay_when_rows_leave(tiny_runtime: ModelRuntime, sources) -> None:
+    """Buffers of at most `keep_bytes` are not shrunk: rows that leave (the batch emptied too)
+    and a row joining again copy nothing."""
+    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=4)
+    batch.concatenate(sources[:12], list(range(12)), [1] * 11 + [14])
+    assert batch.slots == 16 and 0 < batch._slots.nbytes <= batch.keep_bytes  # type: ignore[attr-defined]
+    slots = batch._slots
+    batch.generate_token()  # eleven rows leave at their token limit
+    assert len(batch) == 1 and batch.slots == 16 and batch._slots is slots
+    results: dict[int, GenerationResult] = {}
+    _finish(batch, results)
+    assert results[11].tokens == _alone(tiny_runtime, sources[11], 14).tokens
+    shape, slots = (batch.slots, batch.capacity, batch.source_len), batch._slots  # its columns grew
+    assert shape[0] == 16  # the batch is empty: nothing shrunk
+    batch.concatenate([sources[0]], [0], [14])
+    assert (batch.slots, batch.capacity, batch.source_len) == shape and batch._slots is slots
+    _finish(batch, results)
+    assert results[0].tokens == _alone(tiny_runtime, sources[0], 14).tokens
+
+
 def test_the_source_width_shrinks_only_when_a_quarter_of_it_is_in_use(tiny_runtime: ModelRuntime) -> None:
     long, medium, short = [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS], [5, 6, 7, EOS], [5, 6, EOS]
     for kept, stays in ((medium, True), (short, False)):
-        batch: SlotBatch[str] = SlotBatch(tiny_runtime, quantum=1)
+        batch: SlotBatch[str] = SlotBatch(tiny_runtime, quantum=1, keep_bytes=0)
         batch.concatenate([long, kept], ["long", "kept"], [1, 14])
         assert batch.source_len == len(long)
         cross = batch._slots.cross[0]  # type: ignore[attr-defined]

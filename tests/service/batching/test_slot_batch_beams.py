@@ -40,7 +40,8 @@ def test_beam_rows_joining_at_any_step_decode_as_alone(tiny_runtime: ModelRuntim
     rng = np.random.default_rng(seed)
     beams = [int(k) for k in rng.choice([1, 1, 2, 3, 4], size=len(sources))]
     limits = [int(n) for n in rng.integers(3, 14, size=len(sources))]
-    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=4, quantum=3, on_device=on_device)
+    batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=4, quantum=3, on_device=on_device,
+                                      keep_bytes=0)
     assert batch.on_device is on_device
     pending = list(range(len(sources)))
     results: dict[int, GenerationResult] = {}
