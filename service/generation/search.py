@@ -109,25 +109,26 @@ def pick(logits: np.ndarray, scores: bool, forced: Sequence[tuple[int, int]],
     return best, chosen
 
 
-TOP_K_BLOCK = 64  # `top_k`: elements per block whose maxima bound a long row's k-th best
+TOP_K_BLOCK = 64  # `top_k`: elements per group whose maxima bound a long row's k-th best
 
 
 def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k best (score, index) of each row of (R, N) `scores`, best first; equal scores in
     index order.
 
-    A long row is not partitioned whole: the k-th largest of its blocks' maxima (blocks of
-    `TOP_K_BLOCK` elements) is a value that at least k elements reach, so the k best are among
-    the elements at or above it, and only those are sorted: a pass of `max` over a row costs far
-    less than a partition of it (a beam-search step asks this of k x vocabulary candidates per
-    row)."""
+    A long row is not partitioned whole: the k-th largest of its groups' maxima is a value that
+    at least k elements reach, so the k best are among the elements at or above it, and only
+    those are sorted: a pass of `max` over a row costs far less than a partition of it (a
+    beam-search step asks this of k x vocabulary candidates per row). The row's first
+    G x `TOP_K_BLOCK` elements form G groups, element i in group i mod G, so the maxima are an
+    elementwise `max` of `TOP_K_BLOCK` contiguous slices rather than a reduction per block."""
     k = min(k, scores.shape[-1])
     rows, size = scores.shape
     blocks = size // TOP_K_BLOCK
     if blocks < 4 * k:  # a short row: sorted whole
         index = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
         return np.take_along_axis(scores, index, axis=-1), index
-    maxima = scores[:, :blocks * TOP_K_BLOCK].reshape(rows, blocks, TOP_K_BLOCK).max(axis=-1)  # (R, blocks)
+    maxima = scores[:, :blocks * TOP_K_BLOCK].reshape(rows, TOP_K_BLOCK, blocks).max(axis=1)  # (R, blocks)
     floors = np.partition(maxima, blocks - k, axis=-1)[:, blocks - k]  # (R,): k elements reach it
     index = np.empty((rows, k), dtype=np.int64)
     for row in range(rows):

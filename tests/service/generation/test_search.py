@@ -107,9 +107,10 @@ def test_top_k_and_log_softmax() -> None:
 
 @pytest.mark.parametrize("size", [63, 1024, 4 * 8000, 4 * 8000 + 37])
 def test_top_k_is_a_stable_sort_of_the_row(size: int) -> None:
-    """Short rows and long ones (where only the elements above a bound from the blocks' maxima
+    """Short rows and long ones (where only the elements above a bound from the groups' maxima
     are sorted) give the k best of a full stable sort: scores, indices and the order of ties,
-    with rows of many equal scores and rows whose first half is -inf (dead beams)."""
+    with rows of many equal scores, rows whose first half is -inf (dead beams) and rows whose
+    best elements all fall in one group (every `blocks`-th element)."""
     rng = np.random.default_rng(size)
     for trial in range(40):
         scores = rng.standard_normal((3, size)).astype(np.float32)
@@ -117,6 +118,8 @@ def test_top_k_is_a_stable_sort_of_the_row(size: int) -> None:
             scores = np.round(scores * 4) / 4  # many ties
         if trial % 5 == 0:
             scores[1, : size // 2] = -np.inf
+        if trial % 7 == 0:  # the best elements all in one group: indices 3, 3 + G, 3 + 2G, ...
+            scores[2, 3::max(1, size // 64)] += 10
         k = int(rng.integers(1, 9))
         expected = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
         values, index = top_k(scores, k)
