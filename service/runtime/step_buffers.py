@@ -53,9 +53,27 @@ class CacheBuffers:
         return grown
 
     def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int) -> None:
-        """Copy rows `sources` (their first `columns` columns) onto rows `targets`, in place."""
-        for array in self.arrays:
-            array[targets, :, :columns] = array[sources, :, :columns]
+        """Copy rows `sources` (their first `columns` columns) onto rows `targets`, in place
+        (`copy_rows`)."""
+        copy_rows(self.arrays, sources, targets, columns)
+
+
+def copy_rows(arrays: Sequence[np.ndarray], sources: np.ndarray, targets: np.ndarray,
+              columns: int | None = None) -> None:
+    """Copy rows `sources` of each (rows, h, columns, d) array onto rows `targets` (each target
+    once), their first `columns` columns (all without). A target may be among the sources: every
+    source is read before any is written. When none is, each row is copied straight onto its
+    target, without the staging copy that reading them all first takes (rows leaving a batch:
+    the last rows move into the holes)."""
+    kept = slice(None) if columns is None else slice(0, columns)
+    pairs = list(zip(sources.tolist(), targets.tolist(), strict=True))
+    if {s for s, _ in pairs}.isdisjoint(t for _, t in pairs):
+        for array in arrays:
+            for source, target in pairs:
+                array[target, :, kept] = array[source, :, kept]
+        return
+    for array in arrays:
+        array[targets, :, kept] = array[sources, :, kept]
 
 
 # per step graph session: whether its cross keys/values are in-place outputs (read once, not per step)
@@ -192,8 +210,8 @@ class HostSlots:
         columns and, with `cross`, their cross keys/values (without: slots of one source,
         whose cross keys/values are the same already)."""
         self.buffers.move_rows(sources, targets, columns)
-        for array in self.cross if cross else ():
-            array[targets] = array[sources]
+        if cross:
+            copy_rows(self.cross, sources, targets)
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> HostSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
