@@ -21,7 +21,8 @@ from pathlib import Path
 FUNCTIONS = (
     "Stepper._step_until_interrupted", "SlotBatch.generate_token", "SlotBatch.concatenate",
     "HostSlots.step", "run_step", "Session.run_with_iobinding", "ModelRuntime.encode",
-    "SlotBatch._remove", "SlotBatch._shrink", "SlotBatch._resize", "choose", "advance",
+    "SlotBatch._remove", "SlotBatch._shrink", "SlotBatch._resize", "HostSlots.move_rows", "StepBinding.__init__",
+    "choose", "advance",
     "Runner.run", "RequestResponseCycle.run_asgi", "_generate", "prepare", "outputs",
 )
 
