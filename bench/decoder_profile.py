@@ -46,15 +46,25 @@ def profile(model_dir: Path, batch: int, past: int, source_len: int, steps: int,
 
 def op_times(events: list[dict[str, Any]], calls: int) -> dict[str, Any]:
     """From one session's onnxruntime profile: per operator type, mean milliseconds per call
-    (`calls` of the session) and share of the operators' time; `step_ms`, their sum per call."""
+    (`calls` of the session) and share of the operators' time; `step_ms`, their sum per call;
+    `nodes_per_step`, the kernels run per call on each execution provider, and
+    `memcpy_per_step`, the host <-> device copies (Memcpy nodes) among them."""
     per_op: Counter[str] = Counter()
+    per_provider: Counter[str] = Counter()
+    copies = 0
     for event in events:
         if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
-            per_op[event["args"]["op_name"]] += event["dur"]
+            args = event["args"]
+            per_op[args["op_name"]] += event["dur"]
+            per_provider[args.get("provider", "?")] += 1
+            copies += "Memcpy" in args["op_name"]
     total = sum(per_op.values()) or 1
+    calls = max(calls, 1)
     return {
-        "step_ms": round(total / max(calls, 1) / 1000, 3),
-        "ops": {op: {"ms_per_step": round(us / max(calls, 1) / 1000, 3), "share": round(us / total, 3)}
+        "step_ms": round(total / calls / 1000, 3),
+        "nodes_per_step": {provider: round(count / calls, 1) for provider, count in per_provider.most_common()},
+        "memcpy_per_step": round(copies / calls, 2),
+        "ops": {op: {"ms_per_step": round(us / calls / 1000, 3), "share": round(us / total, 3)}
                 for op, us in per_op.most_common()},
     }
 

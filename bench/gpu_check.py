@@ -57,6 +57,7 @@ SERVICE_MODES = {"on the merged decoder": ["--no-step-graph"], "request-level ba
 LATENCY_BOUND_S = 0.010  # p50 of a single request on a GPU
 # continuous batching on the step graph in-process (`bench.join_cost`): sentences, slots, newcomers per join
 RUNNING_SENTENCES, RUNNING_ROWS, RUNNING_GROUP = 512, 64, 8
+PROFILED_ALONE = 16  # sentences of the profiled replay, one at a time on the step graph
 
 
 def gpu() -> dict[str, str] | None:
@@ -192,6 +193,21 @@ def best_alternative(report: dict[str, Any]) -> tuple[str, float] | None:
     return max(runs, key=lambda run: run[1], default=None)
 
 
+def step_graph_alone(runtime: ModelRuntime, model_dir: Path, sources: list[list[int]], provider: str) -> dict[str, Any]:
+    """The service's path at concurrency 1 without the server: the first `ALONE` sources one at a
+    time through a one-row running batch on the step graph (mean milliseconds per sentence and
+    per step), then `PROFILED_ALONE` of them again on profiled sessions: the kernels per step on
+    each provider and the host <-> device copies among them, which a single sentence's step
+    pays in launches and synchronisations (`join_cost.profile`)."""
+    alone = join_cost.replay(runtime, sources[:ALONE], 1, 1, join_cost.MODES[join_cost.STEP_MODE])
+    count = len(sources[:ALONE])
+    profiled = join_cost.profile(model_dir, sources[:PROFILED_ALONE], 1, 1,
+                                 (provider,) if provider == CPU else (provider, CPU))["step_graph"]
+    return {"sentences": count, "steps": alone["steps"], "ms_per_sentence": 1000 * alone["total_s"] / max(count, 1),
+            "ms_per_step": 1000 * alone["step_s"] / max(alone["steps"], 1),
+            "profile": {key: profiled[key] for key in ("step_ms", "nodes_per_step", "memcpy_per_step")}}
+
+
 def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences: int, concurrency: list[int],
             batch_sizes: list[int], out: Path, service_batch_sizes: tuple[int, ...] = (64,)) -> dict[str, Any]:
     """Steps 3 of the module docstring for one model; the service with each of
@@ -218,6 +234,7 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     if runtime.step is not None:  # where continuous batching's time goes: joins, steps, departures
         report["running_batch"] = {"rows": RUNNING_ROWS, "group": RUNNING_GROUP, **join_cost.replay(
             runtime, sources[:RUNNING_SENTENCES], RUNNING_ROWS, RUNNING_GROUP, join_cost.MODES[join_cost.STEP_MODE])}
+        report["step_graph_alone"] = step_graph_alone(runtime, models / model, sources, provider)
     pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes
     del runtime
     report["memory_after_in_process"] = gpu()
@@ -336,6 +353,13 @@ def markdown(results: dict[str, Any]) -> str:
                            f"{running['join_s']:.2f} s, steps {running['step_s']:.2f} s over {running['steps']} steps "
                            f"(departures {running['leave_s']:.2f} s over {running['leaves']}), resizes "
                            f"{running['copy_s']:.2f} s over {running['copies']}.")]
+        alone = report.get("step_graph_alone")
+        if alone:
+            nodes = ", ".join(f"{count:g} on {name}" for name, count in alone["profile"]["nodes_per_step"].items())
+            lines += ["", (f"One sentence at a time on the step graph in-process (the service's path at concurrency 1, "
+                           f"{alone['sentences']} sentences): {alone['ms_per_sentence']:.1f} ms per sentence, "
+                           f"{alone['ms_per_step']:.2f} ms per step; profiled, a step runs {nodes} "
+                           f"({alone['profile']['memcpy_per_step']:g} host <-> device copies).")]
         same = report.get("agreement")
         if same:
             lines += ["", (f"In-process outputs identical to the {same['reference']} variant's: "

@@ -14,8 +14,10 @@ some). Within the steps, the step graph's departures (the last rows moving into 
 rows that finished) are timed apart. `--provider CUDAExecutionProvider` runs it on the GPU (its
 slots on the device).
 
-With `--profile`, one more replay of the step graph on sessions with onnxruntime's profiler
-gives the step graph's and the encoder's time per operator type (`profile` in the output).
+With `--profile`, one more replay of the step graph on sessions with onnxruntime's profiler (on
+the same providers) gives the step graph's and the encoder's time per operator type, and the
+kernels per step on each provider with the host <-> device copies among them (`profile` in the
+output).
 
 With `--ctranslate2`, CTranslate2 int8 greedy `translate_batch` on the same weights and sources,
 one replica on one thread in batches of `--rows`, runs in the same turns: the two engines at
@@ -107,14 +109,16 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
             "total_s": time.perf_counter() - begun}
 
 
-def _profile(model_dir: Path, sources: list[list[int]], rows: int, group: int) -> dict[str, Any]:
-    """One replay of the step graph on profiled sessions: per operator type of the step graph
-    (per step) and of the encoder (per join)."""
+def profile(model_dir: Path, sources: list[list[int]], rows: int, group: int,
+            providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> dict[str, Any]:
+    """One replay of the step graph on profiled sessions of `providers`: per operator type of
+    the step graph (per step) and of the encoder (per join), with the kernels per step on each
+    provider and the host <-> device copies among them (`op_times`)."""
     from bench.decoder_profile import op_times
     from service.runtime import ModelRuntime
 
     with tempfile.TemporaryDirectory(prefix="join-cost-profile-") as scratch:
-        runtime = ModelRuntime.load(model_dir, providers=["CPUExecutionProvider"], threads=1, spinning=False,
+        runtime = ModelRuntime.load(model_dir, providers=list(providers), threads=1, spinning=False,
                                     memory_arena=False, profile_prefix=str(Path(scratch) / "onnxruntime"))
         counted = replay(runtime, sources, rows, group, _slots)
         assert runtime.step is not None
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                   for mode, mode_runs in runs.items()},
     }
     if args.profile and runtime.step is not None:
-        results["profile"] = _profile(args.model, sources, args.rows, args.group)
+        results["profile"] = profile(args.model, sources, args.rows, args.group, tuple(providers))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     for mode, values in results["modes"].items():

@@ -50,6 +50,10 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     running = report["running_batch"]  # continuous batching in-process, its parts timed
     assert running["rows"] == gpu_check.RUNNING_ROWS and running["steps"] > 0 and running["leaves"] > 0
     assert running["total_s"] >= running["join_s"] + running["step_s"] and running["step_s"] > running["leave_s"] > 0
+    alone = report["step_graph_alone"]  # one sentence at a time on the step graph, then profiled
+    assert alone["sentences"] == 16 and alone["steps"] >= 16 and alone["ms_per_sentence"] > alone["ms_per_step"] > 0
+    assert set(alone["profile"]["nodes_per_step"]) == {CPU} and alone["profile"]["nodes_per_step"][CPU] > 10
+    assert alone["profile"]["memcpy_per_step"] == 0  # one device: nothing crosses
     for stats in [report["service"]["4"], *report["service_batch_sizes"].values(), *report["in_process"].values(),
                   *report["pytorch"]["batches"].values()]:
         assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
@@ -65,6 +69,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
     assert "Continuous batching on the step graph in-process (64 slots, 8 newcomers per join)" in text
+    assert "One sentence at a time on the step graph in-process (the service's path at concurrency 1, 16 sentences)" in text
     # quality on the provider against the CPU's fp32 (the dry run: the CPU's own variant, int8 or fp32)
     scored = report["quality"]
     assert scored["variant"] == report["variant"] and scored["scores"]["rows"] == scored["cpu_fp32"]["rows"] > 0

@@ -48,6 +48,9 @@ def test_join_cost_times_chosen_modes_beside_ctranslate2_and_profiles_the_step_g
     step_graph = results["profile"]["step_graph"]
     assert step_graph["step_ms"] > 0 and "GroupQueryAttention" in step_graph["ops"]
     assert sum(op["share"] for op in step_graph["ops"].values()) == pytest.approx(1.0, abs=0.01)
+    # every kernel of a CPU run on the CPU provider, none of them a host <-> device copy
+    assert set(step_graph["nodes_per_step"]) == {"CPUExecutionProvider"} and step_graph["memcpy_per_step"] == 0
+    assert step_graph["nodes_per_step"]["CPUExecutionProvider"] >= len(step_graph["ops"])  # each type once a step at least
     assert results["profile"]["encoder"]["step_ms"] > 0
 
 
