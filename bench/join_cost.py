@@ -6,7 +6,8 @@ rows that left (and what greedy scores cost its steps).
 
 Replays the first `--sentences` test sources through one `RunningBatch` (one intra-op thread, as
 each batch worker has): whenever fewer than `--rows` rows are decoding, the next `--group`
-sources join, then one decoder step runs. Each mode (`SlotBatch` on the step graph; on the merged
+sources join (fewer when only fewer fit: the batch never holds more than `--rows`, as the
+service's admission keeps it), then one decoder step runs. Each mode (`SlotBatch` on the step graph; on the merged
 decoder, newcomers fill dead slots in place, or every join copies the batch, and the first again
 with each token's log-probability summed, which the service skips) runs `--repeats` times in turn; it reports the seconds spent in joins (encoder
 calls, copies), in copies alone and in decoder steps, the median run of each (`--modes` picks
@@ -94,8 +95,8 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     index = 0
     begun = time.perf_counter()
     while index < len(sources) or len(batch):
-        if index < len(sources) and len(batch) < rows:
-            newcomers = sources[index:index + group]
+        if index < len(sources) and len(batch) < rows:  # at most `group`, never past `rows` (as admission)
+            newcomers = sources[index:index + min(group, rows - len(batch))]
             started = time.perf_counter()
             batch.concatenate(newcomers, list(range(index, index + len(newcomers))), [runtime.max_target_len] * len(newcomers))
             joins += time.perf_counter() - started

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.join_cost import CTRANSLATE2, STEP_MODE, main
+from bench.join_cost import CTRANSLATE2, MODES, STEP_MODE, main, replay
 
 
 def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -73,3 +73,20 @@ def test_join_cost_replays_another_export_of_the_model_in_the_same_turns(tiny_be
     with pytest.raises(SystemExit):  # not a repository of the model
         main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data), "--out", str(out),
               "--sentences", "4", "--against", str(tmp_path)])
+
+
+def test_the_replay_never_holds_more_than_its_rows(tiny_runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Joins of `group` stop at `rows`: a batch of 5 rows joining in threes takes 3, then 2."""
+    from service.batching.slot_batch import SlotBatch
+
+    sizes: list[int] = []
+    step = SlotBatch.generate_token
+
+    def counted(self: SlotBatch) -> list:
+        sizes.append(len(self))
+        return step(self)
+
+    monkeypatch.setattr(SlotBatch, "generate_token", counted)
+    sources = [[5 + i % 7, 6, 7, 3] for i in range(12)]
+    result = replay(tiny_runtime, sources, 5, 3, MODES[STEP_MODE])
+    assert max(sizes) == 5 and sizes[:2] == [3, 5] and result["steps"] == len(sizes)
