@@ -74,7 +74,7 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
            make_batch: Callable[[Any], Any]) -> dict[str, float]:
     """Seconds in joins, in the batch copies (RunningBatch's rebuilds, SlotBatch's resizes), in
     steps and, within them, in SlotBatch's departures (the last rows moved into the finished
-    rows' slots); the counts of copies, departures and steps."""
+    rows' slots); the counts of joins, copies, departures and steps."""
     batch = make_batch(runtime)
     timed = {"copy": [0.0, 0], "leave": [0.0, 0]}
 
@@ -91,7 +91,7 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     if hasattr(batch, "_remove"):
         batch._remove = timing("leave", batch._remove)
     joins = steps = 0.0
-    count = 0
+    count = groups = 0
     index = 0
     begun = time.perf_counter()
     while index < len(sources) or len(batch):
@@ -100,12 +100,13 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
             started = time.perf_counter()
             batch.concatenate(newcomers, list(range(index, index + len(newcomers))), [runtime.max_target_len] * len(newcomers))
             joins += time.perf_counter() - started
+            groups += 1
             index += len(newcomers)
         started = time.perf_counter()
         batch.generate_token()
         steps += time.perf_counter() - started
         count += 1
-    return {"join_s": joins, "copy_s": timed["copy"][0], "copies": timed["copy"][1], "step_s": steps,
+    return {"join_s": joins, "joins": groups, "copy_s": timed["copy"][0], "copies": timed["copy"][1], "step_s": steps,
             "leave_s": timed["leave"][0], "leaves": timed["leave"][1], "steps": count,
             "total_s": time.perf_counter() - begun}
 
@@ -123,12 +124,11 @@ def profile(model_dir: Path, sources: list[list[int]], rows: int, group: int,
                                     memory_arena=False, profile_prefix=str(Path(scratch) / "onnxruntime"))
         counted = replay(runtime, sources, rows, group, _slots)
         assert runtime.step is not None
-        joins = -(-len(sources) // group)
         return {
             "step_graph": op_times(json.loads(Path(runtime.step.end_profiling()).read_text(encoding="utf-8")),
                                    int(counted["steps"])),
             "encoder": op_times(json.loads(Path(runtime.encoder.end_profiling()).read_text(encoding="utf-8")),
-                                joins),
+                                int(counted["joins"])),
         }
 
 

@@ -90,3 +90,4 @@ def test_the_replay_never_holds_more_than_its_rows(tiny_runtime, monkeypatch: py
     sources = [[5 + i % 7, 6, 7, 3] for i in range(12)]
     result = replay(tiny_runtime, sources, 5, 3, MODES[STEP_MODE])
     assert max(sizes) == 5 and sizes[:2] == [3, 5] and result["steps"] == len(sizes)
+    assert result["joins"] >= 4  # 12 sources, at most 3 a join
