@@ -32,7 +32,8 @@ ARMS = ("mixed", "as_greedy")
 
 def replay(runtime: Any, sources: list[list[int]], beams: list[int], rows: int) -> tuple[float, int]:
     """Seconds and decoder steps to decode `sources` (source i at beam `beams[i]`) through one
-    `SlotBatch` that takes them in order while fewer than `rows` slots decode."""
+    `SlotBatch` that takes them in order while fewer than `rows` slots decode (a source of more
+    beams than `rows` joins an empty batch alone, as the service's join policy lets it)."""
     from service.batching.slot_batch import SlotBatch
 
     batch: SlotBatch[int] = SlotBatch(runtime, scores=False, rows=rows)
@@ -42,7 +43,7 @@ def replay(runtime: Any, sources: list[list[int]], beams: list[int], rows: int) 
     while index < len(sources) or len(batch):
         first = index
         free = rows - len(batch)
-        while index < len(sources) and beams[index] <= free:
+        while index < len(sources) and (beams[index] <= free or free == rows):
             free -= beams[index]
             index += 1
         if index > first:

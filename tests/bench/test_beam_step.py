@@ -41,6 +41,9 @@ def test_replay_holds_at_most_its_rows_and_decodes_every_source(tiny_runtime, mo
     seconds, steps = beam_step.replay(tiny_runtime, sources, [1, 3, 1, 3, 1], rows=4)
     assert seconds > 0 and steps == len(sizes) and max(sizes) == 4
     assert sorted(finished) == list(range(5))  # a beam row's slots leave with one result
+    finished.clear()
+    beam_step.replay(tiny_runtime, sources[:2], [5, 1], rows=4)  # more beams than rows: alone, then the next
+    assert sorted(finished) == [0, 1]
 
 
 def test_beam_step_writes_both_arms(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:

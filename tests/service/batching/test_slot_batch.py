@@ -99,7 +99,7 @@ def test_buffers_within_keep_bytes_stay_when_rows_leave(tiny_runtime: ModelRunti
     and a row joining again copy nothing."""
     batch: SlotBatch[int] = SlotBatch(tiny_runtime, rows=2, capacity=4)
     batch.concatenate(sources[:12], list(range(12)), [1] * 11 + [14])
-    assert batch.slots == 16 and 0 < batch._slots.nbytes <= batch.keep_bytes  # type: ignore[attr-defined]
+    assert batch.slots == 16 and 0 < batch._slots.nbytes <= batch.keep_bytes
     slots = batch._slots
     batch.generate_token()  # eleven rows leave at their token limit
     assert len(batch) == 1 and batch.slots == 16 and batch._slots is slots
