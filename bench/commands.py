@@ -28,6 +28,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--models", type=Path, default=Path("models"), help="model repository (default ./models)")
     p.add_argument("--data-dir", type=Path, default=Path("data"),
                    help="prepared data; reads <data-dir>/<model>/test.src (default ./data)")
+    p.add_argument("--split", choices=("test", "other"), default="test",
+                   help="the translation sentences: the test split, or the other set of English descriptions "
+                   "no translation example came from (<data-dir>/translate-en-it/other.src; default test)")
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu"), help="results folder")
     p.add_argument("--name", default="bench", help="file name stem of the results (default bench)")
     p.add_argument("--sentences", type=int, default=1000, help="translation inputs (default 1000)")
@@ -77,7 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.quick:
         values.update(QUICK)
     config = BenchConfig(models_dir=args.models, data_dir=args.data_dir, out_dir=args.out, name=args.name,
-                         rate=args.rate, threads=args.threads,
+                         split=args.split, rate=args.rate, threads=args.threads,
                          providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
                          systems=tuple(args.systems), label=args.label,
                          command=shlex.join(["attnserve", *sys.argv[1:]]), **values)

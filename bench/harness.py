@@ -38,6 +38,7 @@ class BenchConfig:
     out_dir: Path = Path("bench/results/cpu")
     name: str = "bench"
     sentences: int = 1000  # translation inputs
+    split: str = "test"  # which translation sentences: the test split or the other set (`bench.workload.SPLITS`)
     summaries: int = 300  # summarization inputs
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     duration_s: float = 120.0  # cap on each closed-loop run and each baseline pass
@@ -403,7 +404,7 @@ def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
         manifest = read_manifest(folder)
         tokenizer = Tokenizer.from_file(folder / "tokenizer.model")
         workloads[name] = workload_module.load(config.data_dir, name, task, tokenizer, manifest.max_source_len,
-                                               counts[task])
+                                               counts[task], config.split if task == "translate" else "test")
         models[name] = folder
     if not workloads:
         raise FileNotFoundError(f"no model repository with a translate/summarize task in {config.models_dir}")
@@ -412,7 +413,8 @@ def run(config: BenchConfig) -> tuple[dict[str, Any], list[Path]]:
         "machine": machine.describe(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
         "servers": {},
-        "tasks": {name: {"task": w.task, "sentences": len(w)} for name, w in workloads.items()},
+        "tasks": {name: {"task": w.task, "sentences": len(w),
+                         "split": config.split if w.task == "translate" else "test"} for name, w in workloads.items()},
     }
     steps: list[tuple[str, Callable[[], None]]] = [
         ("in_process+ctranslate2", lambda: run_in_process_and_ctranslate2(config, models, workloads, results)),

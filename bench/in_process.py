@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 
 from bench import machine
 from bench.stats import RunStats, summarise
+from bench.workload import SPLITS
 from service.batching.slot_batch import generate_running
 from service.generation.search import GenerationResult, generate
 from service.runtime import CPU, ModelRuntime
@@ -228,7 +229,7 @@ def _name(settings: InProcessSettings) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The turns as a markdown table: each run's median sentences/s and its range, and the ratio."""
     lines = ["# In-process runs in alternating turns", "", f"Command: `{result['command']}`", "",
-             f"{result['sentences']} test sentences, {result['turns']} turns (A B C, C B A, ...), greedy, int8.", "",
+             f"{result['sentences']} sentences of the {result.get('split', 'test')} set, {result['turns']} turns (A B C, C B A, ...), greedy, int8.", "",
              "| run (engine:size:replicas:threads) | sentences/s, median (range) | per turn |", "|---|---|---|"]
     for name, values in result["sentences_per_s"].items():
         lines.append(f"| {name} | {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f}) | "
@@ -245,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=Path("models/translate-en-it"))
     parser.add_argument("--data-dir", type=Path, default=Path("data"))
     parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--split", choices=SPLITS, default="test",
+                        help="the sentences: the test split or the other set (<data-dir>/<model>/<split>.src)")
     parser.add_argument("--points", nargs="+", default=["running:64:2:1", "batches:32:2:1"],
                         help="ENGINE:SIZE:REPLICAS:THREADS each (default: the grid's best two points)")
     parser.add_argument("--ctranslate2-setting", nargs=4, metavar=("REPLICAS", "THREADS", "BATCH", "TYPE"),
@@ -264,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     manifest = read_manifest(args.model)
     tokenizer = Tokenizer.from_file(args.model / "tokenizer.model")
     work = workload_module.load(args.data_dir, args.model.name, manifest.task, tokenizer, manifest.max_source_len,
-                                args.sentences)
+                                args.sentences, args.split)
     with tempfile.TemporaryDirectory(prefix="ct2-") as scratch:
         reference = None
         if args.ctranslate2_setting:
@@ -275,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = turns(args.model, work.source_ids, points, args.turns, reference)
     result["command"] = shlex.join(["python", "-m", "bench.in_process", *(sys.argv[1:] if argv is None else argv)])
     result["machine"] = machine.describe()
+    result["split"] = args.split
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "in_process.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (args.out / "in_process.md").write_text(markdown(result), encoding="utf-8")

@@ -189,7 +189,8 @@ def markdown(results: dict[str, Any]) -> str:
     load = (f"an offered load of {results['rate']:g} requests/s (open loop, {results['duration_s']:g} s)"
             if results.get("rate") else f"concurrency {results['concurrency']}")
     lines = [f"# Serving levers at {load}", "",
-             (f"{results['sentences']} translation sentences per run (cycled in the open loop), "
+             (f"{results['sentences']} translation sentences of the {results.get('split', 'test')} set per run "
+              "(cycled in the open loop), "
               f"{results['repeats']} runs per variant (in turn); sentences/s: median (min-max); the other "
               f"columns: the median run ({'by p95' if results.get('rate') else 'by sentences/s'})."), "",
              f"Command: `{results['command']}`", "",
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/levers"))
     parser.add_argument("--model", default="translate-en-it", help="the translation model of --models (the one /v1/translate serves)")
     parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--split", choices=workload_module.SPLITS, default="test",
+                        help="the sentences: the test split or the other set (<data-dir>/<model>/<split>.src)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rate", type=float, default=None, help="open loop at this many requests/s instead")
     parser.add_argument("--duration-s", type=float, default=30.0, help="length of each open-loop run")
@@ -305,10 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.models / args.model
     tokenizer = Tokenizer.from_file(folder / "tokenizer.model")
     workload = workload_module.load(args.data_dir, args.model, "translate", tokenizer,
-                                    read_manifest(folder).max_source_len, args.sentences)
+                                    read_manifest(folder).max_source_len, args.sentences, args.split)
     results: dict[str, Any] = {
         "command": "python -m bench.levers " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine.describe(), "concurrency": args.concurrency, "sentences": len(workload),
+        "split": args.split,
         "rate": args.rate, "duration_s": args.duration_s,
         "repeats": args.repeats, "variants": {},
     }

@@ -41,7 +41,7 @@ def markdown(results: dict[str, Any]) -> str:
                  f"{machine.get('load_average_1m')} (1 min) at the start")
         lines += [facts, ""]
     for task, task_results in results.get("tasks", {}).items():
-        lines += [f"## {task} ({task_results.get('sentences', '?')} inputs)", "",
+        lines += [f"## {task} ({task_results.get('sentences', '?')} inputs of the {task_results.get('split', 'test')} set)", "",
                   "| run | " + " | ".join(COLUMNS) + " |", ("|---" * (len(COLUMNS) + 1)) + "|"]
         for name, row in stats_rows({k: v for k, v in task_results.items() if isinstance(v, dict)}):
             cells = [row.get("sentences_per_s"), row.get("tokens_per_s"), row.get("latency_p50_s"),

@@ -1,4 +1,5 @@
-"""The fixed workload: the first N lines of each model's test split, cut to the model's source limit."""
+"""The fixed workload: the first N lines of a model's test split (or of its `other` sentences,
+the translation model's second set: `model.data.other_sentences`), cut to the model's source limit."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from model.tokenizer import Tokenizer
 
+SPLITS = ("test", "other")  # what a workload reads: <data-dir>/<model>/<split>.src
 SOURCE_MARGIN = 16  # tokens kept free under max_source_len (at most a quarter of it): re-encoding
 # a cut text may add a few
 
@@ -31,11 +33,13 @@ def read_lines(path: Path, count: int) -> list[str]:
 
 
 def load(data_dir: Path, model: str, task: str, tokenizer: Tokenizer, max_source_len: int,
-         count: int) -> Workload:
-    """`count` sentences of `data_dir/<model>/test.src`, each cut to fit the model's source limit."""
-    path = data_dir / model / "test.src"
+         count: int, split: str = "test") -> Workload:
+    """`count` sentences of `data_dir/<model>/<split>.src`, each cut to fit the model's source limit."""
+    if split not in SPLITS:
+        raise ValueError(f"split one of {SPLITS}, got {split!r}")
+    path = data_dir / model / f"{split}.src"
     if not path.is_file():
-        raise FileNotFoundError(f"no test split for {model}: {path}")
+        raise FileNotFoundError(f"no {split} split for {model}: {path}")
     limit = max(1, max_source_len - min(SOURCE_MARGIN, max_source_len // 4))
     texts, ids = [], []
     for line in read_lines(path, count):

@@ -4,6 +4,8 @@
   and the paragraphs when both sides have as many paragraphs, split into sentences when
   both sides split into as many sentences.
 - `summarize-en`: an English long description (paragraphs joined) → its synopsis.
+- `translate-en-it/other.src`: English sentences no translation example came from (the
+  descriptions without an Italian translation), a second workload for benchmarks.
 
 Descriptions go to train/valid/test by a hash of (seed, md5), the same for both tasks, so
 no description is in two splits. Output: `<out>/<task>/{train,valid,test}.{src,tgt}` (one
@@ -17,7 +19,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,8 @@ MAX_LENGTH_RATIO = 2.5  # (longer + 10) / (shorter + 10) characters, translation
 MIN_BODY_WORDS = 20  # shortest long description kept for summarization
 MAX_BODY_WORDS = 300  # longer summarization sources are cut to this many words
 MIN_TEST_EXAMPLES = {TRANSLATE: 1000, SUMMARIZE: 300}  # warn below these
+OTHER = "other"  # `translate-en-it/other.src`: sentences of the descriptions without a translation
+OTHER_EXAMPLES = 2000
 
 Pair = tuple[str, str]
 
@@ -91,15 +95,28 @@ def aligned_pairs(en: Description, it: Description) -> list[Pair]:
     return pairs
 
 
-def translation_reject(src: str, tgt: str, max_words: int = MAX_WORDS) -> str | None:
-    """Why a translation pair is dropped (a short reason), or None to keep it."""
-    if not src or not tgt:
+def source_reject(src: str, max_words: int = MAX_WORDS) -> str | None:
+    """Why a translation source is dropped on its own (a short reason), or None to keep it."""
+    if not src:
         return "empty"
-    if not _LETTER.search(src) or not _LETTER.search(tgt):
+    if not _LETTER.search(src):
         return "no letters"
+    if len(src.split()) > max_words:
+        return "too long"
+    return None
+
+
+def translation_reject(src: str, tgt: str, max_words: int = MAX_WORDS) -> str | None:
+    """Why a translation pair is dropped (a short reason, the first that applies: a side empty
+    or without letters, the target a copy of the source, a side too long (`source_reject`'s
+    rules), the two lengths too far apart), or None to keep it."""
+    reasons = {source_reject(src, max_words), source_reject(tgt, max_words)}
+    for reason in ("empty", "no letters"):
+        if reason in reasons:
+            return reason
     if src.casefold() == tgt.casefold():
         return "untranslated"
-    if len(src.split()) > max_words or len(tgt.split()) > max_words:
+    if "too long" in reasons:
         return "too long"
     short, long_ = sorted((len(src), len(tgt)))
     if (long_ + 10) / (short + 10) > MAX_LENGTH_RATIO:
@@ -183,6 +200,33 @@ def build_summarization(en: Mapping[str, Description], splits: Mapping[str, str]
         else:
             candidates[md5] = [pair]
     return _assign(corpus, candidates, splits)
+
+
+def other_sentences(en: Mapping[str, Description], it: Mapping[str, Description], seen: Collection[str] = (),
+                    seed: int = 0, count: int = OTHER_EXAMPLES) -> tuple[list[str], int]:
+    """Up to `count` English sentences no translation example came from, and how many
+    descriptions gave them: the synopsis and each paragraph's sentences (`split_sentences`) of
+    the descriptions without an Italian translation, taken in the order of a hash of (seed,
+    md5), each kept once, only if `source_reject` keeps it and it is not in `seen` (the
+    translation corpus's sources: boilerplate sentences recur across descriptions)."""
+    def rank(md5: str) -> bytes:
+        return hashlib.sha256(f"other:{seed}:{md5}".encode()).digest()
+
+    sentences: list[str] = []
+    taken: set[str] = set()
+    described = 0
+    for md5 in sorted((m for m in en if m not in it), key=rank):
+        description = en[md5]
+        found = [description.synopsis] + [s for paragraph in description.paragraphs for s in split_sentences(paragraph)]
+        before = len(sentences)
+        for sentence in found:
+            if len(sentences) < count and not source_reject(sentence) and sentence not in seen and sentence not in taken:
+                taken.add(sentence)
+                sentences.append(sentence)
+        described += len(sentences) > before
+        if len(sentences) >= count:
+            break
+    return sentences, described
 
 
 def _write_lines(path: Path, lines: Iterable[str]) -> None:
@@ -274,6 +318,12 @@ def prepare(
             "tokens": token_stats(model_path, corpus),
         }
         stats["tokenizer"]["actual_vocab_size"] = Tokenizer.from_file(model_path).vocab_size
+        if task == TRANSLATE:
+            sources = {src for split in SPLITS for src, _ in corpus.examples[split]}
+            others, described = other_sentences(en, it, sources, seed)
+            _write_lines(task_dir / f"{OTHER}.src", others)
+            stats[OTHER] = {"examples": len(others), "descriptions": described,
+                            "src_words": sum(len(s.split()) for s in others)}
         (task_dir / "stats.json").write_text(json.dumps(stats, indent=2) + "\n",
                                              encoding="utf-8")
         logger.info("%s: %s examples (train/valid/test) in %.1fs -> %s", task,

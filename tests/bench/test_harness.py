@@ -73,7 +73,7 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     assert line["flops_per_sentence"] > 0 and line["int8"]["peak_gflops"] > 0 and line["fp32"]["peak_gflops"] > 0
     assert 0 < line["service_fraction_int8"] < 1 and 0 < line["ctranslate2_fraction_int8"] < 1
     report = (out / "tiny.md").read_text(encoding="utf-8")
-    assert "## tiny-reverse (6 inputs)" in report
+    assert "## tiny-reverse (6 inputs of the test set)" in report
     assert "Open loops in 2 turns" in report
     assert "Roofline:" in report
     assert "CTranslate2 int8 greedy `translate_batch` over its tuning grid" in report

@@ -29,6 +29,18 @@ def test_workload_cuts_to_the_source_limit(tmp_path: Path, tiny_repository_token
         workload.load(tmp_path, "other", "translate", tiny_repository_tokenizer, 24, 2)
 
 
+def test_workload_reads_the_other_set(tmp_path: Path, tiny_repository_tokenizer) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "test.src").write_text("abc\n", encoding="utf-8")
+    with pytest.raises(FileNotFoundError, match="no other split"):
+        workload.load(tmp_path, "m", "translate", tiny_repository_tokenizer, 24, 2, split="other")
+    (tmp_path / "m" / "other.src").write_text("fg\nde\n", encoding="utf-8")
+    assert workload.load(tmp_path, "m", "translate", tiny_repository_tokenizer, 24, 5, split="other").texts == ["fg", "de"]
+    assert workload.load(tmp_path, "m", "translate", tiny_repository_tokenizer, 24, 5).texts == ["abc"]
+    with pytest.raises(ValueError, match="split one of"):
+        workload.load(tmp_path, "m", "translate", tiny_repository_tokenizer, 24, 2, split="train")
+
+
 def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as sock:

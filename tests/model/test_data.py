@@ -8,13 +8,16 @@ from pathlib import Path
 import pytest
 
 from model.data import (
+    OTHER,
     SPLITS,
     SUMMARIZE,
     TRANSLATE,
     aligned_pairs,
     build_summarization,
     build_translation,
+    other_sentences,
     prepare,
+    source_reject,
     split_of,
     split_sentences,
     summarization_pair,
@@ -158,3 +161,43 @@ def test_prepare_is_deterministic(prepared: tuple[Path, dict], tmp_path: Path) -
 def test_prepare_rejects_unknown_task(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown task"):
         prepare(EN, IT, tmp_path, tasks=["translate-xx"], **OPTIONS)
+
+
+def test_other_sentences_come_from_descriptions_without_a_translation() -> None:
+    en = read_descriptions(EN, show_progress=False)
+    it = read_descriptions(IT, show_progress=False)
+    untranslated = [m for m in en if m not in it]
+    assert untranslated  # the fixture has English-only descriptions
+    corpus = build_translation(en, it, {m: split_of(m) for m in en}, show_progress=False)
+    sources = {s for split in SPLITS for s, _ in corpus.examples[split]}
+    sentences, described = other_sentences(en, it, sources)
+    assert 0 < described <= len(untranslated) and len(sentences) >= described
+    assert len(sentences) == len(set(sentences))
+    assert all(source_reject(s) is None for s in sentences)
+    own = {s for m in untranslated for s in [en[m].synopsis, *(x for p in en[m].paragraphs for x in split_sentences(p))]}
+    assert set(sentences) <= own
+    recurring = "See http://www.haskell.org/ for more information on Haskell."
+    assert recurring in sources and recurring in own  # boilerplate of translated and untranslated descriptions
+    assert not set(sentences) & sources  # no translation example came from them
+    assert recurring in other_sentences(en, it)[0]  # without the corpus's sources it would be kept
+    assert "WebP Image format GdkPixbuf loader" in sentences  # a synopsis of one of them
+    assert other_sentences(en, it, sources, count=3)[0] == sentences[:3]  # the same order, cut
+    assert other_sentences(en, it, sources, seed=1)[0] != sentences  # another seed, another order
+    assert other_sentences(en, en)[0] == []  # every description translated: nothing
+
+
+def test_source_reject_is_translation_reject_of_one_side() -> None:
+    assert source_reject("") == "empty" and source_reject("123 456") == "no letters"
+    assert source_reject(" ".join(["w"] * 151)) == "too long" and source_reject("a tool") is None
+    assert translation_reject("", "123") == "empty"  # the first rule that applies to either side
+    assert translation_reject("same", "Same") == "untranslated"
+    assert translation_reject(" ".join(["w"] * 151), " ".join(["w"] * 151)) == "untranslated"
+    assert translation_reject(" ".join(["w"] * 151), " ".join(["v"] * 151)) == "too long"
+
+
+def test_prepare_writes_the_other_sentences(prepared: tuple[Path, dict]) -> None:
+    out, stats = prepared
+    lines = (out / TRANSLATE / f"{OTHER}.src").read_text("utf-8").splitlines()
+    assert len(lines) == stats[TRANSLATE][OTHER]["examples"] > 0
+    assert stats[TRANSLATE][OTHER]["descriptions"] > 0 and OTHER not in stats[SUMMARIZE]
+    assert not (out / SUMMARIZE / f"{OTHER}.src").exists()
