@@ -36,7 +36,7 @@ from typing import Any
 
 import onnxruntime as ort
 
-from bench import gqa_cuda, join_cost, machine, step_graph_parity
+from bench import gqa_cuda, join_cost, machine, static_step, step_graph_parity
 from bench.in_process import load_runtime, run_batches
 from bench.load import closed_loop, text_bodies
 from bench.servers import ServerProcess, free_port, service_command
@@ -58,6 +58,7 @@ LATENCY_BOUND_S = 0.010  # p50 of a single request on a GPU
 # continuous batching on the step graph in-process (`bench.join_cost`): sentences, slots, newcomers per join
 RUNNING_SENTENCES, RUNNING_ROWS, RUNNING_GROUP = 512, 64, 8
 PROFILED_ALONE = 16  # sentences of the profiled replay, one at a time on the step graph
+STATIC_ALONE = 16  # sentences decoded alone on a step graph of fixed shapes (and as a CUDA graph)
 
 
 def gpu() -> dict[str, str] | None:
@@ -235,6 +236,8 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         report["running_batch"] = {"rows": RUNNING_ROWS, "group": RUNNING_GROUP, **join_cost.replay(
             runtime, sources[:RUNNING_SENTENCES], RUNNING_ROWS, RUNNING_GROUP, join_cost.MODES[join_cost.STEP_MODE])}
         report["step_graph_alone"] = step_graph_alone(runtime, models / model, sources, provider)
+        # the same lone row on a step graph of fixed shapes, and replayed as a CUDA graph
+        report["static_step"] = static_step.measure(models / model, runtime, sources[:STATIC_ALONE], max_new_tokens)
     pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes
     del runtime
     report["memory_after_in_process"] = gpu()
@@ -360,6 +363,17 @@ def markdown(results: dict[str, Any]) -> str:
                            f"{alone['sentences']} sentences): {alone['ms_per_sentence']:.1f} ms per sentence, "
                            f"{alone['ms_per_step']:.2f} ms per step; profiled, a step runs {nodes} "
                            f"({alone['profile']['memcpy_per_step']:g} host <-> device copies).")]
+        fixed = report.get("static_step")
+        if fixed:
+            lines += ["", (f"A lone row on the step graph with fixed shapes ({fixed.get('sentences', 0)} sentences, "
+                           "each alone; `bench.static_step`):")]
+            for way in ("dynamic", "static", "cuda_graph"):
+                run = fixed.get(way, {})
+                lines.append(f"- {way}: " + (run["error"] if "error" in run else
+                                             f"{run['ms_per_step']:.3f} ms per step"
+                                             + (f", tokens as dynamic's for {run['same_tokens']:.0%} of sentences, "
+                                                f"largest logit difference {run['max_logit_difference']:.2g}"
+                                                if "same_tokens" in run else "")))
         same = report.get("agreement")
         if same:
             lines += ["", (f"In-process outputs identical to the {same['reference']} variant's: "

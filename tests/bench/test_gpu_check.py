@@ -54,6 +54,9 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert alone["sentences"] == 16 and alone["steps"] >= 16 and alone["ms_per_sentence"] > alone["ms_per_step"] > 0
     assert set(alone["profile"]["nodes_per_step"]) == {CPU} and alone["profile"]["nodes_per_step"][CPU] > 10
     assert alone["profile"]["memcpy_per_step"] == 0  # one device: nothing crosses
+    fixed = report["static_step"]  # the lone row on a graph of fixed shapes: the same tokens, logits within float rounding
+    assert fixed["static"]["same_tokens"] == 1.0 and fixed["static"]["max_logit_difference"] < 1e-5
+    assert fixed["dynamic"]["steps"] == fixed["static"]["steps"] > 0 and "CUDA provider" in fixed["cuda_graph"]["error"]
     for stats in [report["service"]["4"], *report["service_batch_sizes"].values(), *report["in_process"].values(),
                   *report["pytorch"]["batches"].values()]:
         assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
@@ -70,6 +73,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "p50 of a single request: service " in text
     assert "Continuous batching on the step graph in-process (64 slots, 8 newcomers per join)" in text
     assert "One sentence at a time on the step graph in-process (the service's path at concurrency 1, 16 sentences)" in text
+    assert "A lone row on the step graph with fixed shapes (16 sentences" in text and "- static: " in text
     # quality on the provider against the CPU's fp32 (the dry run: the CPU's own variant, int8 or fp32)
     scored = report["quality"]
     assert scored["variant"] == report["variant"] and scored["scores"]["rows"] == scored["cpu_fp32"]["rows"] > 0

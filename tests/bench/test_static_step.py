@@ -1,0 +1,45 @@
+"""`bench.static_step`: a lone row on the step graph with its dimensions fixed decodes as the
+runtime's own session does (on the CPU, the same tokens and logits within float rounding), and the CUDA graph says why not here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import static_step
+from service.generation.search import generate
+from service.runtime import CPU, ModelRuntime
+
+
+def test_a_lone_row_with_fixed_shapes_decodes_as_the_dynamic_session(tiny_model_repository: Path,
+                                                                     tiny_runtime: ModelRuntime) -> None:
+    session = static_step.static_session(tiny_model_repository, tiny_runtime)
+    fixed = static_step.fixed_dimensions(tiny_runtime)
+    assert fixed == {"batch": 1, "capacity": tiny_runtime.max_target_len, "source_len": tiny_runtime.max_source_len}
+    sources = [tiny_runtime.tokenizer.encode(text) + [tiny_runtime.eos_id] for text in ("abc de", "fg hij", "k")]
+    tokens, logits, seconds = static_step.decode(session, tiny_runtime, sources[0], 16)
+    assert tokens == generate(tiny_runtime, sources[:1], 1, 16)[0].tokens  # request-level greedy's tokens
+    assert tiny_runtime.tokenizer.decode(tokens).strip() == "ed cba"  # the tiny model reverses its input
+    assert len(logits) == len(tokens) + 1 and seconds > 0  # the last step chose EOS
+    report = static_step.measure(tiny_model_repository, tiny_runtime, sources, 16)
+    assert report["sentences"] == 3 and report["fixed_dimensions"] == fixed
+    assert report["dynamic"]["steps"] == report["static"]["steps"] > len(sources)
+    assert report["static"]["same_tokens"] == 1.0 and report["static"]["max_logit_difference"] < 1e-5
+    assert report["dynamic"]["ms_per_step"] > 0 and report["static"]["ms_per_step"] > 0
+    assert report["cuda_graph"] == {"error": f"CUDA graphs need the CUDA provider (this runtime is on {CPU})"}
+
+
+def test_the_command_writes_its_report(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    models, data = tiny_bench_dirs
+    out = tmp_path / "static.json"
+    assert static_step.main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data),
+                             "--sentences", "4", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python -m bench.static_step --model ")
+    assert report["provider"] == CPU and report["sentences"] == 4 and report["static"]["same_tokens"] == 1.0
+
+
+def test_a_variant_without_a_step_graph_says_so(tiny_runtime: ModelRuntime, tiny_model_repository: Path,
+                                                monkeypatch) -> None:
+    monkeypatch.setattr(tiny_runtime, "step", None)
+    assert static_step.measure(tiny_model_repository, tiny_runtime, [[3]]) == {"error": "the variant has no step graph"}
