@@ -65,41 +65,51 @@ def static_session(model_dir: Path, runtime: ModelRuntime, cuda_graph: bool = Fa
 
 
 class LoneRow:
-    """One row's step-graph inputs and outputs as OrtValues at fixed addresses on the runtime's
-    device, bound once to `session`; `step` writes the token and position in place and runs."""
+    """One row's step-graph inputs and outputs as OrtValues allocated once at fixed addresses on
+    the runtime's device and bound once to `session` (a CUDA graph replays those addresses):
+    `start` writes a source's cross keys/values and mask in place, `step` the token and position."""
 
-    def __init__(self, session: ort.InferenceSession, runtime: ModelRuntime, cross: Sequence[np.ndarray],
-                 source_length: int) -> None:
+    def __init__(self, session: ort.InferenceSession, runtime: ModelRuntime) -> None:
         self.session = session
         device, device_id = ("cuda", runtime.device_id) if runtime.provider == CUDA else ("cpu", 0)
         types = {i.name: i.type for i in session.get_inputs()}
         dims = fixed_dimensions(runtime)
         layers, heads, head_dim = runtime.n_decoder_layers, runtime.n_heads, runtime.head_dim
+        outputs = {o.name for o in session.get_outputs()}
 
         def value(array: np.ndarray) -> ort.OrtValue:
-            return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), device, device_id)
+            return ort.OrtValue.ortvalue_from_numpy(array, device, device_id)
 
         self.token, self.position = value(np.zeros((1, 1), np.int64)), value(np.zeros((1, 1), np.int64))
-        mask = np.zeros((1, dims["source_len"]), dtype=bool)
-        mask[0, :source_length] = True
-        self.values = [self.token, self.position, value(mask)]
+        self.mask = value(np.zeros((1, dims["source_len"]), dtype=bool))
         self.binding = session.io_binding()
-        for name, bound in zip(("input_ids", "positions", "source_mask"), self.values, strict=True):
+        for name, bound in (("input_ids", self.token), ("positions", self.position), ("source_mask", self.mask)):
             self.binding.bind_ortvalue_input(name, bound)
-        for name, array in zip(graph_io.cross_names(layers), cross, strict=True):
-            padded = np.zeros((1, heads, dims["source_len"], head_dim), dtype=_DTYPES[types[name]])
-            padded[:, :, :array.shape[2]] = array
-            self.values.append(value(padded))
-            self.binding.bind_ortvalue_input(name, self.values[-1])
-            if f"present_{name}" in {o.name for o in session.get_outputs()}:
-                self.binding.bind_ortvalue_output(f"present_{name}", self.values[-1])
+        self.cross: list[ort.OrtValue] = []
+        for name in graph_io.cross_names(layers):
+            self.cross.append(value(np.zeros((1, heads, dims["source_len"], head_dim), dtype=_DTYPES[types[name]])))
+            self.binding.bind_ortvalue_input(name, self.cross[-1])
+            if f"present_{name}" in outputs:
+                self.binding.bind_ortvalue_output(f"present_{name}", self.cross[-1])
+        self.cache: list[ort.OrtValue] = []  # a row reads its own columns only: never cleared
         for past, present in zip(graph_io.past_names(layers), graph_io.present_names(layers), strict=True):
-            self.values.append(value(np.zeros((1, heads, dims["capacity"], head_dim), dtype=_DTYPES[types[past]])))
-            self.binding.bind_ortvalue_input(past, self.values[-1])
-            self.binding.bind_ortvalue_output(present, self.values[-1])
+            self.cache.append(value(np.zeros((1, heads, dims["capacity"], head_dim), dtype=_DTYPES[types[past]])))
+            self.binding.bind_ortvalue_input(past, self.cache[-1])
+            self.binding.bind_ortvalue_output(present, self.cache[-1])
         vocab = session.get_outputs()[0].shape[-1]
         self.logits = value(np.zeros((1, vocab), dtype=np.float32))
         self.binding.bind_ortvalue_output("logits", self.logits)
+
+    def start(self, cross: Sequence[np.ndarray], source_length: int) -> None:
+        """A new source: its (1, h, w, d) cross keys/values (cross_key.0, cross_value.0, ...)
+        and its mask, written over the last one's."""
+        mask = np.zeros(self.mask.shape(), dtype=bool)
+        mask[0, :source_length] = True
+        self.mask.update_inplace(mask)
+        for target, array in zip(self.cross, cross, strict=True):
+            padded = np.zeros(target.shape(), dtype=_DTYPES[target.data_type()])
+            padded[:, :, :array.shape[2]] = array
+            target.update_inplace(padded)
 
     def step(self, token: int, position: int) -> np.ndarray:
         """One step: the (vocab,) logits of the row after `token` at `position`."""
@@ -109,13 +119,13 @@ class LoneRow:
         return np.asarray(self.logits.numpy()[0])
 
 
-def decode(session: ort.InferenceSession, runtime: ModelRuntime, source: list[int],
+def decode(row: LoneRow, runtime: ModelRuntime, source: list[int],
            max_new_tokens: int) -> tuple[list[int], list[np.ndarray], float]:
-    """Greedy decoding of one source on `session` as a `LoneRow`: its tokens (EOS left out), each
-    step's logits and the seconds its steps took."""
+    """Greedy decoding of one source on `row`: its tokens (EOS left out), each step's logits and
+    the seconds its steps took."""
     state = runtime.encode(runtime.pad([source]))
-    cross = [to_numpy(t) for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair]
-    row = LoneRow(session, runtime, cross, len(source))
+    row.start([to_numpy(t) for pair in zip(state.cross_keys, state.cross_values, strict=True) for t in pair],
+              len(source))
     tokens: list[int] = []
     steps: list[np.ndarray] = []
     token = runtime.decoder_start_id
@@ -153,9 +163,10 @@ def measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]]
             continue
         seconds, steps, same, difference = 0.0, 0, 0, 0.0
         try:
+            row = LoneRow(session, runtime)
             for i, source in enumerate(sources):
-                decode(session, runtime, source, limit)  # the first call of a shape: warm-up, graph capture
-                tokens, logits, took = decode(session, runtime, source, limit)
+                decode(row, runtime, source, limit)  # the first steps: warm-up, on CUDA the graph's capture
+                tokens, logits, took = decode(row, runtime, source, limit)
                 seconds, steps = seconds + took, steps + len(logits)
                 if name == "dynamic":
                     reference.append((tokens, logits))

@@ -17,7 +17,8 @@ def test_a_lone_row_with_fixed_shapes_decodes_as_the_dynamic_session(tiny_model_
     fixed = static_step.fixed_dimensions(tiny_runtime)
     assert fixed == {"batch": 1, "capacity": tiny_runtime.max_target_len, "source_len": tiny_runtime.max_source_len}
     sources = [tiny_runtime.tokenizer.encode(text) + [tiny_runtime.eos_id] for text in ("abc de", "fg hij", "k")]
-    tokens, logits, seconds = static_step.decode(session, tiny_runtime, sources[0], 16)
+    tokens, logits, seconds = static_step.decode(static_step.LoneRow(session, tiny_runtime), tiny_runtime,
+                                                 sources[0], 16)
     assert tokens == generate(tiny_runtime, sources[:1], 1, 16)[0].tokens  # request-level greedy's tokens
     assert tiny_runtime.tokenizer.decode(tokens).strip() == "ed cba"  # the tiny model reverses its input
     assert len(logits) == len(tokens) + 1 and seconds > 0  # the last step chose EOS
