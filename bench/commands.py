@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+CORES = os.cpu_count() or 1
 
 QUICK = {"sentences": 16, "summaries": 8, "concurrency": [1, 4], "duration_s": 20.0, "open_duration_s": 5.0,
          "open_repeats": 1, "open_slices": 2,
-         "batch_sizes": [1, 8], "single_sentences": 8, "naive_requests": 8, "service_workers": [1]}
+         "batch_sizes": [1, 8], "single_sentences": 8, "naive_requests": 8, "service_workers": [1],
+         "service_processes": []}
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -53,6 +56,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--service-workers", type=int, nargs="*", default=[1, 4],
                    help="batch-worker counts also tried with continuous batching at the top concurrency "
                    "(default 1 4; the server's default always runs)")
+    p.add_argument("--service-processes", type=int, nargs="*", default=[CORES] if CORES > 1 else [],
+                   help="server-process counts also tried at the top concurrency, each process one batch worker "
+                   "on one thread (`attnserve serve --workers N --batch-workers 1`; default: one per core)")
     p.add_argument("--single-sentences", type=int, default=200,
                    help="CTranslate2 single-sentence latency sample (default 200)")
     p.add_argument("--naive-requests", type=int, default=200,
@@ -76,7 +82,8 @@ def _bench(args: argparse.Namespace) -> int:
               "duration_s": args.duration_s, "open_duration_s": args.open_duration_s,
               "open_repeats": args.open_repeats, "open_slices": args.open_slices,
               "batch_sizes": args.batch_sizes, "single_sentences": args.single_sentences,
-              "naive_requests": args.naive_requests, "service_workers": args.service_workers}
+              "naive_requests": args.naive_requests, "service_workers": args.service_workers,
+              "service_processes": args.service_processes}
     if args.quick:
         values.update(QUICK)
     config = BenchConfig(models_dir=args.models, data_dir=args.data_dir, out_dir=args.out, name=args.name,

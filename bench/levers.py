@@ -87,9 +87,17 @@ BASELINE = "defaults, baseline checkout"
 
 
 def _event_loop_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process's main thread (the server's event loop)."""
-    thread = next(t for t in psutil.Process(pid).threads() if t.id == pid)
-    return float(thread.user_time + thread.system_time)
+    """User + system CPU seconds of the main threads of a process and its children: the server's
+    event loop, or with `--workers` each worker process's (and the supervisor's, which idles)."""
+    total = 0.0
+    process = psutil.Process(pid)
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            thread = next(t for t in member.threads() if t.id == member.pid)
+        except (psutil.NoSuchProcess, StopIteration):
+            continue
+        total += thread.user_time + thread.system_time
+    return total
 
 
 def _cpu_seconds(pid: int) -> float:

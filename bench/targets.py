@@ -48,7 +48,7 @@ def best_service(results: dict[str, Any], level: str) -> dict[str, Any] | None:
     """The fastest closed-loop run at `level` (e.g. "c64") of continuous batching, over the
     server's default and each batch-worker setting tried (`continuous_w<N>`)."""
     runs = [run for name, node in (_get(results, "service") or {}).items()
-            if name == "continuous" or name.startswith("continuous_w")
+            if name == "continuous" or name.startswith(("continuous_w", "continuous_p"))
             if (run := _get(node, "closed", level)) is not None and run.get("sentences_per_s") is not None]
     return max(runs, key=lambda run: run["sentences_per_s"], default=None)
 
@@ -56,7 +56,8 @@ def best_service(results: dict[str, Any], level: str) -> dict[str, Any] | None:
 def evaluate(results: dict[str, Any], top_concurrency: int, rss_limit_mb: float = 600.0) -> list[Target]:
     """The targets of the issues, computed from the harness's results (translation task).
 
-    Paths read: service/continuous and service/continuous_w<workers> closed/c<N> (the best of them),
+    Paths read: service/continuous, service/continuous_w<workers> and service/continuous_p<processes>
+    closed/c<N> (the best of them),
     in_process/best (its grid's best point), naive/closed/c1,
     ctranslate2/int8_greedy_batch and int8_greedy_single, service/continuous/peak_rss_mb, and the
     open loops of service/continuous and service/dynamic.
@@ -76,7 +77,7 @@ def evaluate(results: dict[str, Any], top_concurrency: int, rss_limit_mb: float 
     continuous_p95 = _get(results, "service", "continuous", "open", "latency_p95_s")
     continuous = ratio(continuous_p95, dynamic_p95)
     return [
-        Target("vs_ctranslate2_int8", f"service at concurrency {top_concurrency} (best batch-worker setting) / "
+        Target("vs_ctranslate2_int8", f"service at concurrency {top_concurrency} (best batch-worker or process setting) / "
                "CTranslate2 int8 translate_batch (best point of its grid), sentences/s",
                ratio(service_top, ct2_batch), 1.0, True),
         Target("in_process_vs_ctranslate2_int8", "ONNX in-process (best point of its grid) / CTranslate2 int8 "

@@ -53,7 +53,8 @@ class Settings(BaseSettings):
     providers: Annotated[tuple[str, ...], NoDecode] = DEFAULT_PROVIDERS
     threads: int = Field(
         default=0, ge=0,
-        description="intra-op threads per session; 0 = the cores shared among the batch workers",
+        description="intra-op threads per session; 0 = the cores shared among the batch workers "
+        "of all the server processes",
     )
     variant: str | None = Field(default=None, description="force fp32, fp16 or int8")
     spinning: bool = Field(
@@ -264,8 +265,9 @@ class Settings(BaseSettings):
 
     def session_threads(self) -> int:
         """Intra-op threads per onnxruntime session: `threads`, or the cores shared among the
-        CPU batch workers (each worker's decoder call then runs on its own cores)."""
-        return self.threads or max(1, cpu_cores() // self.batch_workers_on(CPU_PROVIDER))
+        CPU batch workers of all the server processes (`workers`), so that each worker's decoder
+        call runs on its own cores."""
+        return self.threads or max(1, cpu_cores() // (self.batch_workers_on(CPU_PROVIDER) * self.workers))
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

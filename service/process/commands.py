@@ -47,7 +47,8 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--providers", help="onnxruntime execution providers, comma-separated, "
                    "in order of preference (default CUDAExecutionProvider,CPUExecutionProvider)")
     p.add_argument("--threads", type=int,
-                   help="intra-op threads per session (default 0: the cores divided among the batch workers)")
+                   help="intra-op threads per session (default 0: the cores divided among the batch workers "
+                   "of all the server processes)")
     p.add_argument("--batch-workers", type=int,
                    help="threads per model, each running its own batches (default 0: 3 on the "
                    "CPU, 1 on CUDA)")

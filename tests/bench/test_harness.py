@@ -19,7 +19,8 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
     status = main(["--log-level", "WARNING", "bench", "--models", str(models), "--data-dir", str(data),
                    "--out", str(out), "--name", "tiny", "--sentences", "6", "--concurrency", "1", "3",
                    "--duration-s", "60", "--open-duration-s", "1", "--open-repeats", "2", "--open-slices", "2", "--batch-sizes", "1", "4",
-                   "--single-sentences", "3", "--naive-requests", "3", "--threads", "1", "--service-workers", "3"])
+                   "--single-sentences", "3", "--naive-requests", "3", "--threads", "1", "--service-workers", "3",
+                   "--service-processes", "2"])
     assert status == 0
     results = json.loads((out / "tiny.json").read_text(encoding="utf-8"))
     task = results["tasks"]["tiny-reverse"]
@@ -33,6 +34,8 @@ def test_bench_runs_every_system(tiny_bench_dirs: tuple[Path, Path], tmp_path: P
         assert task["service"][mode]["peak_rss_mb"] > 50
     assert task["service"]["continuous_w3"]["closed"]["c3"]["sentences"] == 6  # our knobs' grid
     assert results["servers"]["service_continuous_w3"]["peak_rss_mb"] > 50
+    assert task["service"]["continuous_p2"]["closed"]["c3"]["sentences"] == 6  # two server processes
+    assert results["servers"]["service_continuous_p2"]["peak_rss_mb"] > 2 * 50  # each loads the model
     turns = task["service_open_turns"]  # two turns, each at its own rate; the lower ratio's runs kept
     assert len(turns) == 2 and all(turn["offered_rate"] > 0 for turn in turns)
     kept = min(turns, key=lambda turn: turn["p95_ratio"])

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.levers import BASELINE, main
+from bench.levers import BASELINE, _event_loop_cpu_seconds, main
 
 
 def _levers(dirs: tuple[Path, Path], out: Path, *options: str) -> dict:
@@ -132,3 +136,26 @@ def test_at_concurrency_1_ctranslate2_translates_one_sentence_per_call(tiny_benc
     table = (out / "levers.md").read_text(encoding="utf-8")
     assert "one sentence per call" in table and "p50 / CTranslate2's single-sentence p50" in table
     assert f"| {ours['latency_p50_s'] / reference['latency_p50_s']:.2f} |" in table
+
+
+
+def _own_main_thread_seconds() -> float:
+    import psutil
+
+    thread = next(t for t in psutil.Process().threads() if t.id == os.getpid())
+    return float(thread.user_time + thread.system_time)
+
+
+def test_the_event_loops_cpu_counts_each_server_process_main_thread() -> None:
+    # a child whose main thread spins for half a second, then sleeps: as a `--workers` server's worker does
+    child = subprocess.Popen([sys.executable, "-c", ("import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.5: pass\ntime.sleep(30)")])
+    try:
+        for _ in range(100):
+            if _event_loop_cpu_seconds(os.getpid()) - _own_main_thread_seconds() >= 0.5:
+                break
+            time.sleep(0.05)
+        assert _event_loop_cpu_seconds(os.getpid()) - _own_main_thread_seconds() >= 0.5  # the child's counted
+    finally:
+        child.kill()
+        child.wait()

@@ -67,6 +67,8 @@ def test_evaluate_reads_the_harness_layout() -> None:
     results["service"]["continuous_w4"] = {"closed": {"c64": _run(110)}}  # the best batch-worker setting counts
     results["service"]["dynamic"] = {"closed": {"c64": _run(500)}}  # request-level batching does not
     assert {t.name: t for t in evaluate(results, top_concurrency=64)}["vs_ctranslate2_int8"].ratio == pytest.approx(1.1)
+    results["service"]["continuous_p2"] = {"closed": {"c64": _run(120)}}  # and the best process setting
+    assert {t.name: t for t in evaluate(results, top_concurrency=64)}["vs_ctranslate2_int8"].ratio == pytest.approx(1.2)
     results["service"]["continuous"]["open"] = _run(50, p95=0.3)
     results["service"]["dynamic"] = {"open": _run(50, p95=0.5)}
     by_name = {t.name: t for t in evaluate(results, top_concurrency=64)}

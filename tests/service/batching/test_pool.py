@@ -148,6 +148,9 @@ def test_batch_workers_default_on_the_cpu_by_batching_mode_and_share_its_cores()
     assert request_level.session_threads() == max(1, cpu_cores() // 3)
     given = Settings(batch_workers=3, threads=5)
     assert given.batch_workers_on("CUDAExecutionProvider") == 3 and given.session_threads() == 5
+    processes = Settings(workers=2, batch_workers=1)  # each process's workers share its part of the cores
+    assert processes.session_threads() == max(1, cpu_cores() // 2)
+    assert Settings(workers=2).session_threads() == max(1, cpu_cores() // 4)
 
 
 def test_batch_limits_default_by_provider() -> None:
