@@ -132,11 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn  # lazy: only the serve extra has it
     from pydantic import ValidationError
-
-    from service.api.app import create_app
-    from service.process.http import uvicorn_options
 
     try:
         settings = settings_from_args(args)
@@ -150,6 +146,12 @@ def _serve(args: argparse.Namespace) -> int:
                     settings.host, settings.port, settings.workers)
         run_workers(settings)
         return 0
+    # one process: the app's modules load here (the supervisor of `--workers` never imports them)
+    import uvicorn  # lazy: only the serve extra has it
+
+    from service.api.app import create_app
+    from service.process.http import uvicorn_options
+
     if settings.metrics_port is not None:
         from service.observability.metrics_server import start_metrics_server
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import math
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -42,8 +41,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from service.api.shed import SHED_CHECKED, SHED_STATE, Refusal
 from service.core.settings import Settings
 from service.observability import metrics
-
-PROTOCOL = "service.process.http:GuardedProtocol"  # the import path, for uvicorn's worker processes
+from service.process.uvicorn_config import PROTOCOL, server_options
 
 
 @dataclass(frozen=True)
@@ -237,12 +235,4 @@ def guarded_protocol(settings: Settings, base: type[Any] | None = None) -> type[
 def uvicorn_options(settings: Settings, *, workers: bool = False) -> dict[str, Any]:
     """Keyword arguments of `uvicorn.Config` (or `uvicorn.run`) for `settings`; with `workers`
     the protocol is named by its import path and reads its limits from the environment."""
-    return {
-        "host": settings.host,
-        "port": settings.port,
-        "lifespan": "on",
-        "http": PROTOCOL if workers else guarded_protocol(settings),
-        "timeout_keep_alive": max(1, math.ceil(settings.keep_alive_timeout_s)),
-        "timeout_graceful_shutdown": math.ceil(settings.drain_timeout_s),
-        "log_config": None,  # keep the logging set up by `attnserve --log-level`
-    }
+    return {**server_options(settings), "http": PROTOCOL if workers else guarded_protocol(settings)}

@@ -14,11 +14,12 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING, Any
 
 from service.core.settings import Settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 ENV_PREFIX = "ATTNSERVE_"
 LOG_LEVEL_VARIABLE = "ATTNSERVE_LOG_LEVEL"  # the parent's `--log-level`, for the workers
@@ -56,8 +57,9 @@ def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) ->
 
     os.environ.update(environ if environ is not None else settings_environment(settings))
     os.environ[LOG_LEVEL_VARIABLE] = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-    from service.process.http import uvicorn_options
+    # the supervisor runs no app: uvicorn's options without the app's modules (numpy, onnxruntime)
+    from service.process.uvicorn_config import PROTOCOL, server_options
 
-    options: dict[str, Any] = {**uvicorn_options(settings, workers=True),
+    options: dict[str, Any] = {**server_options(settings), "http": PROTOCOL,
                                "workers": settings.workers, "factory": True}
     uvicorn.run("service.process.workers:app_from_environment", **options)

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,18 @@ def test_the_environment_rebuilds_the_settings(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv(name, value)
     assert Settings() == settings
     assert Settings().api_key is not None and Settings().api_key.get_secret_value() == "k3y"
+
+
+def test_the_supervisor_imports_no_model_code() -> None:
+    # the process that only spawns and restarts workers keeps no copy of numpy or onnxruntime
+    code = ("import sys, service.process.workers as w, service.process.commands\n"
+            "from service.core.settings import Settings\n"
+            "from service.process.uvicorn_config import PROTOCOL, server_options\n"
+            "options = server_options(Settings(workers=2))\n"
+            "heavy = sorted({'numpy', 'onnxruntime', 'fastapi', 'sentencepiece'} & set(sys.modules))\n"
+            "print(heavy, PROTOCOL, options['port'])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["[]", "service.process.http:GuardedProtocol", "8000"]
 
 
 def worker_pids(parent: int) -> set[int]:
