@@ -6,14 +6,21 @@ default one, so `GET /metrics` exports only these and tests can build fresh apps
 "Duplicated timeseries" errors.
 
 One process, one worker by default: the batcher must own the model in one process to group
-requests, so the service scales out with replicas (compose, Kubernetes). `--workers N`
-(`service.process.workers`) runs N independent processes on one port, each with its own models,
-batcher and metrics; prometheus-client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`) is not
-used, so prefer one worker per replica where the metrics must add up: each replica is
-scraped on its own and Prometheus sums across them.
+requests, so the service scales out with replicas (compose, Kubernetes), each scraped on its own
+and summed by Prometheus. `--workers N` (`service.process.workers`) runs N processes on one port,
+each with its own models and batcher; their metrics add up in prometheus-client's multiprocess
+mode (`PROMETHEUS_MULTIPROC_DIR`, which the supervisor sets to a folder of its own): every
+worker writes its values to files there, and `GET /metrics` on any of them exports their sum
+(counters and histograms), the live workers' sum (`queue_depth`, `open_connections`), the most
+cautious live worker's admission share and the live workers' largest model facts. A dead
+worker's counts stay in the sums (counters never go down); its gauges leave them.
 """
 
 from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,9 +28,11 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 REGISTRY = CollectorRegistry()
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"  # set before prometheus-client is imported: multiprocess mode
 
 # The classic text format: what `generate_latest` writes for these (legacy-valid) names, and
 # what every Prometheus version parses; newer prometheus-client's CONTENT_TYPE_LATEST says 1.0.0.
@@ -89,6 +98,7 @@ QUEUE_DEPTH = Gauge(
     "Requests admitted and waiting for a batch.",
     ["model"],
     registry=REGISTRY,
+    multiprocess_mode="livesum",
 )
 ADMISSION_SHARE = Gauge(
     "attnserve_admission_share",
@@ -96,6 +106,7 @@ ADMISSION_SHARE = Gauge(
     "rows' outcomes (grows while they finish early, cut when one misses its deadline).",
     ["model"],
     registry=REGISTRY,
+    multiprocess_mode="livemin",
 )
 BATCH_SIZE = Histogram(
     "attnserve_batch_size",
@@ -142,20 +153,23 @@ CONNECTIONS_REFUSED_TOTAL = Counter(
 )
 OPEN_CONNECTIONS = Gauge(
     "attnserve_open_connections",
-    "HTTP connections open on this process.",
+    "HTTP connections open on this process (with --workers: on all of them).",
     registry=REGISTRY,
+    multiprocess_mode="livesum",
 )
 MODEL_INFO = Gauge(
     "attnserve_model_info",
     "Loaded models (value 1): task, execution provider in use and variant (fp32, fp16, int8).",
     ["model", "task", "provider", "variant"],
     registry=REGISTRY,
+    multiprocess_mode="livemax",
 )
 MODEL_LOAD_SECONDS = Gauge(
     "attnserve_model_load_seconds",
     "Time taken to verify and load a model's sessions.",
     ["model"],
     registry=REGISTRY,
+    multiprocess_mode="livemax",
 )
 
 # Sample suffixes prometheus-client exports for each metric type (text format 0.0.4).
@@ -186,5 +200,39 @@ def metric_names() -> set[str]:
 
 
 def render_latest() -> tuple[bytes, str]:
-    """The text exposition of `REGISTRY` and its content type, for `GET /metrics`."""
-    return generate_latest(REGISTRY), CONTENT_TYPE
+    """The text exposition of `REGISTRY` and its content type, for `GET /metrics`; in
+    multiprocess mode, of every worker process's values (the module's docstring)."""
+    directory = os.environ.get(MULTIPROCESS_DIR)
+    if not directory:
+        return generate_latest(REGISTRY), CONTENT_TYPE
+    forget_dead_processes(Path(directory))
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=directory)
+    return generate_latest(registry), CONTENT_TYPE
+
+
+_LIVE_GAUGE_FILE = re.compile(r"gauge_live\w+_(\d+)\.db")
+
+
+def forget_dead_processes(directory: Path) -> list[int]:
+    """Take the live gauges of processes that no longer run out of a multiprocess `directory`
+    (uvicorn's supervisor restarts a killed worker without telling prometheus-client); returns
+    their pids."""
+    dead = set()
+    for path in directory.glob("gauge_live*.db"):
+        found = _LIVE_GAUGE_FILE.fullmatch(path.name)
+        if found and not _running(int(found.group(1))):
+            dead.add(int(found.group(1)))
+    for pid in sorted(dead):
+        multiprocess.mark_process_dead(pid, str(directory))
+    return sorted(dead)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

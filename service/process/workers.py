@@ -4,8 +4,9 @@ uvicorn's process supervisor binds the socket once, spawns N worker processes th
 on it, and replaces any worker that exits or is killed (only that worker's in-flight requests
 fail). Each worker builds its own app from the environment (`app_from_environment`): the
 parent writes the effective settings into `ATTNSERVE_*` variables before spawning. Every
-worker loads every model and has its own batcher and metrics: scrape each worker's
-`/metrics` through the load balancer or prefer one worker per replica (the default).
+worker loads every model and has its own batcher; their metrics add up through files in a
+folder the supervisor makes (prometheus-client's multiprocess mode,
+`service.observability.metrics`), so any worker's `/metrics` reports all of them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -58,8 +61,16 @@ def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) ->
     os.environ.update(environ if environ is not None else settings_environment(settings))
     os.environ[LOG_LEVEL_VARIABLE] = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     # the supervisor runs no app: uvicorn's options without the app's modules (numpy, onnxruntime)
+    from service.observability.metrics import MULTIPROCESS_DIR
     from service.process.uvicorn_config import PROTOCOL, server_options
 
     options: dict[str, Any] = {**server_options(settings), "http": PROTOCOL,
                                "workers": settings.workers, "factory": True}
-    uvicorn.run("service.process.workers:app_from_environment", **options)
+    given = os.environ.get(MULTIPROCESS_DIR)  # the workers' metrics add up in files there
+    directory = given or tempfile.mkdtemp(prefix="attnserve-metrics-")
+    os.environ[MULTIPROCESS_DIR] = directory
+    try:
+        uvicorn.run("service.process.workers:app_from_environment", **options)
+    finally:
+        if not given:
+            shutil.rmtree(directory, ignore_errors=True)

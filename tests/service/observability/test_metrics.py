@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -183,3 +186,18 @@ def test_promtool_accepts_the_exposition() -> None:
         [promtool, "check", "metrics"], input=body, capture_output=True, timeout=30, check=False
     )
     assert result.returncode == 0, (result.stdout + result.stderr).decode()
+
+
+def test_forget_dead_processes_takes_only_the_dead_ones_live_gauges(tmp_path: Path) -> None:
+    from service.observability.metrics import forget_dead_processes
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+    dead, alive = int(finished.stdout), os.getpid()
+    names = [f"gauge_livesum_{dead}.db", f"gauge_livemax_{dead}.db", f"counter_{dead}.db",
+             f"gauge_livesum_{alive}.db", f"gauge_all_{dead}.db"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert forget_dead_processes(tmp_path) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"counter_{dead}.db", f"gauge_livesum_{alive}.db", f"gauge_all_{dead}.db"])  # counts stay

@@ -81,6 +81,58 @@ async def closed_loop_until(url: str, stop: asyncio.Event, concurrency: int) -> 
     return statuses
 
 
+def _translations_counted(port: int) -> float:
+    """`attnserve_requests_total` of /v1/translate's 2xx answers in one scrape of `/metrics`."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("attnserve_requests_total{") and 'route="/v1/translate"' in line
+               and 'status="2xx"' in line)
+
+
+def test_the_workers_metrics_add_up_and_a_dead_workers_gauges_leave(
+    served_tiny_models: Path, tmp_path: Path
+) -> None:
+    from service.observability.metrics import forget_dead_processes
+    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
+
+    port, folder = free_port(), tmp_path / "metrics"
+    folder.mkdir()
+    environment = {**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1",
+                   "PROMETHEUS_MULTIPROC_DIR": str(folder)}  # given: kept, so the test reads the files
+    log = tmp_path / "serve.log"
+    with log.open("w") as output, subprocess.Popen(
+        [*serve_command(), "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--models", str(served_tiny_models), "--workers", "2"],
+        env=environment, stdout=output, stderr=subprocess.STDOUT,
+    ) as process:
+        try:
+            wait_ready(port, STARTUP_TIMEOUT_S)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while len(workers := worker_pids(process.pid)) < 2 or not all(
+                    (folder / f"gauge_livesum_{pid}.db").exists() for pid in workers):
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            for _ in range(12):  # a new connection each: either worker may take it
+                assert httpx.post(f"http://127.0.0.1:{port}/v1/translate", json=BODY, timeout=30).status_code == 200
+            assert [_translations_counted(port) for _ in range(6)] == [12.0] * 6  # whichever worker answers
+            victim = min(workers)
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while len(worker_pids(process.pid) - {victim}) < 2:
+                assert time.monotonic() < deadline, "the killed worker was not replaced"
+                time.sleep(0.2)
+            wait_ready(port, STARTUP_TIMEOUT_S)
+            assert _translations_counted(port) == 12.0  # the dead worker's counts stay in the sum
+            assert not list(folder.glob(f"gauge_live*_{victim}.db"))  # its gauges left at the scrape
+            assert forget_dead_processes(folder) == []
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
 @pytest.mark.soak
 def test_a_killed_worker_is_restarted_and_only_its_requests_fail(
     request: pytest.FixtureRequest, tmp_path: Path
