@@ -9,6 +9,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from bench.workload import SPLITS
+
 logger = logging.getLogger(__name__)
 CORES = os.cpu_count() or 1
 
@@ -31,7 +33,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--models", type=Path, default=Path("models"), help="model repository (default ./models)")
     p.add_argument("--data-dir", type=Path, default=Path("data"),
                    help="prepared data; reads <data-dir>/<model>/test.src (default ./data)")
-    p.add_argument("--split", choices=("test", "other"), default="test",
+    p.add_argument("--split", choices=SPLITS, default="test",
                    help="the translation sentences: the test split, or the other set of English descriptions "
                    "no translation example came from (<data-dir>/translate-en-it/other.src; default test)")
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu"), help="results folder")
@@ -58,7 +60,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                    "(default 1 4; the server's default always runs)")
     p.add_argument("--service-processes", type=int, nargs="*", default=[CORES] if CORES > 1 else [],
                    help="server-process counts also tried at the top concurrency, each process one batch worker "
-                   "on one thread (`attnserve serve --workers N --batch-workers 1`; default: one per core)")
+                   "(`attnserve serve --workers N --batch-workers 1`, the cores divided among them; default: one per core)")
     p.add_argument("--single-sentences", type=int, default=200,
                    help="CTranslate2 single-sentence latency sample (default 200)")
     p.add_argument("--naive-requests", type=int, default=200,

@@ -50,7 +50,7 @@ class BenchConfig:
     # batch-worker counts also tried with continuous batching at the top concurrency (the
     # server's own default is always run): our knobs tuned as CTranslate2's are
     service_workers: list[int] = field(default_factory=lambda: [1, 4])
-    # server processes (`--workers`, each one batch worker on one thread) also tried at the top concurrency
+    # server processes (`--workers`, one batch worker each) also tried at the top concurrency
     service_processes: list[int] = field(default_factory=list)
     single_sentences: int = 200  # CTranslate2 one-sentence-per-call latency sample
     naive_requests: int = 200  # the naive server is slow: it answers at most this many per task
@@ -121,12 +121,13 @@ def run_service(config: BenchConfig, workloads: dict[str, Workload], results: di
 def run_worker_grid(config: BenchConfig, workloads: dict[str, Workload], results: dict[str, Any]) -> None:
     """Continuous batching with each batch-worker count of `config.service_workers` (the cores
     divided among the workers), and with each count of `config.service_processes` server
-    processes of one batch worker on one thread each, closed loop at the top concurrency:
+    processes of one batch worker each (the cores divided among them), closed loop at the top concurrency:
     `service/continuous_w<N>`, `service/continuous_p<N>`."""
     top = max(config.concurrency)
     grid = [(f"continuous_w{workers}", {"ATTNSERVE_BATCH_WORKERS": str(workers)}) for workers in config.service_workers]
-    grid += [(f"continuous_p{processes}", {"ATTNSERVE_WORKERS": str(processes), "ATTNSERVE_BATCH_WORKERS": "1",
-                                           "ATTNSERVE_THREADS": "1"}) for processes in config.service_processes]
+    # `--threads 0` (the command's default) then gives each process's batch worker its share of the cores
+    grid += [(f"continuous_p{processes}", {"ATTNSERVE_WORKERS": str(processes), "ATTNSERVE_BATCH_WORKERS": "1"})
+             for processes in config.service_processes]
     for name, env in grid:
         server = _start_service(config, "continuous", results, log_suffix=f"-{name.rsplit('_', 1)[1]}", name=name,
                                 env=env)
