@@ -6,7 +6,12 @@ format: one `frame;frame;... count` line per distinct stack, `py-spy record -f r
 
 A function's share is the fraction of samples (over all the server's threads) whose stack
 contains it, counted once per sample however deep it recurs. A profile recorded with py-spy's
-`--threads` (each stack's first frame names its thread) also gives each thread's share.
+`--threads` (each stack's first frame names its thread) also gives each thread's share, and
+`--thread NAME` summarises that thread's samples alone: the event loop's (`MainThread`) with
+`--functions event-loop`, and the functions its samples end in most (`self_share`: where the
+time is spent, not under which call).
+
+    python -m bench.profile_summary profile.raw --thread MainThread --functions event-loop
 """
 
 from __future__ import annotations
@@ -27,20 +32,53 @@ FUNCTIONS = (
 )
 
 
-def shares(lines: list[str], functions: tuple[str, ...] = FUNCTIONS) -> tuple[int, dict[str, float]]:
-    """Total samples and each function's inclusive share of them."""
-    total = 0
-    counts: Counter[str] = Counter()
+# the event loop's request handling: uvicorn's cycle, the routes, the pipeline's parts, the batcher's
+# side of a request, pydantic's validation and JSON encoding
+EVENT_LOOP_FUNCTIONS = (
+    "RequestResponseCycle.run_asgi", "HttpToolsProtocol.data_received", "FastAPI.__call__",
+    "solve_dependencies", "run_endpoint_function", "_generate", "prepare", "split", "Tokenizer.encode_batch",
+    "outputs", "Tokenizer.decode", "TypeAdapter.validate_python", "TypeAdapter.dump_json", "BatcherPool.submit",
+    "Batcher._finish", "RequestMetricsMiddleware.__call__", "ShedMiddleware.__call__",
+)
+FUNCTION_SETS = {"batch-workers": FUNCTIONS, "event-loop": EVENT_LOOP_FUNCTIONS}
+
+
+def _samples(lines: list[str], thread: str | None) -> list[tuple[list[str], int]]:
+    """Each distinct stack's frames and sample count; with `thread`, that thread's only (its
+    first frame, which names it, dropped)."""
+    found = []
     for line in lines:
         stack, _, count = line.rpartition(" ")
         if not stack:
             continue
-        n = int(count)
+        frames = stack.split(";")
+        if thread is not None:
+            if not frames[0].startswith("thread (") or frames[0].split(": ", 1)[-1] != thread:
+                continue
+            frames = frames[1:]
+        found.append((frames, int(count)))
+    return found
+
+
+def shares(lines: list[str], functions: tuple[str, ...] = FUNCTIONS,
+           thread: str | None = None) -> tuple[int, dict[str, float]]:
+    """Total samples (of `thread`, when given) and each function's inclusive share of them."""
+    total = 0
+    counts: Counter[str] = Counter()
+    for frames, n in _samples(lines, thread):
         total += n
-        names = {frame.split(" (")[0] for frame in stack.split(";")}
-        for name in names:
+        for name in {frame.split(" (")[0] for frame in frames}:
             counts[name] += n
     return total, {name: round(counts[name] / max(total, 1), 4) for name in functions}
+
+
+def self_shares(lines: list[str], thread: str | None = None, top: int = 15) -> dict[str, float]:
+    """The `top` functions the samples (of `thread`, when given) end in, each with its share."""
+    counts: Counter[str] = Counter()
+    for frames, n in _samples(lines, thread):
+        counts[frames[-1].split(" (")[0]] += n
+    total = sum(counts.values())
+    return {name: round(n / total, 4) for name, n in counts.most_common(top)}
 
 
 def thread_shares(lines: list[str]) -> dict[str, float]:
@@ -59,11 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_summary", description=__doc__.splitlines()[0])
     parser.add_argument("raw", type=Path, help="py-spy raw output")
     parser.add_argument("--out", type=Path, help="write the shares here as JSON")
+    parser.add_argument("--thread", help="that thread's samples only (a profile recorded with --threads)")
+    parser.add_argument("--functions", choices=list(FUNCTION_SETS), default="batch-workers",
+                        help="the functions whose inclusive shares are listed")
     args = parser.parse_args(argv)
     lines = args.raw.read_text().splitlines()
-    total, found = shares(lines)
+    total, found = shares(lines, FUNCTION_SETS[args.functions], args.thread)
     report: dict[str, object] = {"samples": total, "inclusive_share": found}
-    if threads := thread_shares(lines):
+    if args.thread is not None:
+        report["thread"] = args.thread
+        report["self_share"] = self_shares(lines, args.thread)
+    elif threads := thread_shares(lines):
         report["thread_share"] = threads
     text = json.dumps(report, indent=2)
     print(text)
