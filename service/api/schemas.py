@@ -299,6 +299,11 @@ class BatchCounters(BaseModel):
     cancelled: int = Field(description="rows cancelled because their request stopped waiting "
                            "(client gone, deadline passed)")
     running: int = Field(description="rows of the batches generating now (cancelled ones excluded)")
+    cache_bytes: int = Field(
+        default=0, description="continuous: bytes the running batches' keys/values hold now (every "
+        "slot's cache and cross keys/values, on the host or the device)",
+    )
+    max_cache_bytes: int = Field(default=0, description="continuous: the most bytes they held at once")
 
 
 class ModelCard(BaseModel):

@@ -75,6 +75,7 @@ class BatchCounters:
     rows: int = 0
     max_batch_rows: int = 0
     cancelled: int = 0
+    max_cache_bytes: int = 0  # the most bytes its running batch's keys/values held at once
 
 
 class Batcher:
@@ -114,6 +115,11 @@ class Batcher:
         # publishes `queue_depth` when the queue changes; a `BatcherPool` sets it to publish
         # the sum over the model's batchers
         self.on_depth: Callable[[], None] | None = None
+        # publishes `batch_cache_bytes` when the running batch's keys/values change size (from
+        # the worker thread); a `BatcherPool` sets it to publish the sum
+        self.on_cache: Callable[[], None] | None = None
+        if self._stepper is not None:
+            self._stepper.on_cache = self._publish_cache
 
     @property
     def share(self) -> AdmissionShare:
@@ -140,6 +146,20 @@ class Batcher:
             self.on_depth()
         else:
             metrics.QUEUE_DEPTH.labels(self.model).set(len(self._queue))
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes its running batch's keys/values hold now (`InFlightBatch.cache_bytes`; 0
+        without continuous batching: a request-level batch's cache lives only while it runs)."""
+        return self._stepper.cache_bytes if self._stepper is not None else 0
+
+    def _publish_cache(self) -> None:
+        held = self.cache_bytes
+        self.counters.max_cache_bytes = max(self.counters.max_cache_bytes, held)
+        if self.on_cache is not None:
+            self.on_cache()
+        else:
+            metrics.BATCH_CACHE_BYTES.labels(self.model).set(held)
 
     @property
     def continuous(self) -> bool:

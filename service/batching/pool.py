@@ -22,6 +22,7 @@ the sum over the batchers, and the counters are summed (`max_batch_rows`: the la
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -43,8 +44,11 @@ class BatcherPool:
         self.batchers = list(batchers)
         self.length_slack = length_slack
         self._owners: dict[asyncio.Future[Any], Batcher] = {}  # enqueued rows not yet done
+        self.max_cache_bytes = 0  # the most bytes the batchers' running batches held at once
+        self._cache_lock = threading.Lock()  # batchers publish from their worker threads
         for batcher in self.batchers:
             batcher.on_depth = self._publish_depth
+            batcher.on_cache = self._publish_cache
             # on the same cores, one admission share: a row late in one is late in all
             batcher.share = self.batchers[0].share
 
@@ -75,7 +79,13 @@ class BatcherPool:
             batches=sum(c.batches for c in all_counters), rows=sum(c.rows for c in all_counters),
             max_batch_rows=max(c.max_batch_rows for c in all_counters),
             cancelled=sum(c.cancelled for c in all_counters),
+            max_cache_bytes=self.max_cache_bytes,
         )
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the running batches' keys/values hold now, over all batchers."""
+        return sum(b.cache_bytes for b in self.batchers)
 
     def start(self) -> None:
         for batcher in self.batchers:
@@ -143,3 +153,9 @@ class BatcherPool:
 
     def _publish_depth(self) -> None:
         metrics.QUEUE_DEPTH.labels(self.model).set(self.depth)
+
+    def _publish_cache(self) -> None:
+        with self._cache_lock:
+            held = self.cache_bytes
+            self.max_cache_bytes = max(self.max_cache_bytes, held)
+            metrics.BATCH_CACHE_BYTES.labels(self.model).set(held)

@@ -81,6 +81,11 @@ class RunningBatch(Generic[Owner]):
         return len(self._members)
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes of its cache and cross keys/values (dead slots included)."""
+        return sum(array.nbytes for array in (*self._keys, *self._values, *self._cross_keys, *self._cross_values))
+
+    @property
     def owners(self) -> list[Owner]:
         """The owner of each live row, in batch order."""
         return [member.owner for member in self._members if member is not None]

@@ -235,6 +235,12 @@ class SlotBatch(Generic[Owner]):
         return self._slots.capacity
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes of the slot buffers (cache and cross keys/values, every slot's whole capacity
+        and source width), on the host or the device."""
+        return self._slots.nbytes
+
+    @property
     def source_len(self) -> int:
         """The source width of the cross keys/values."""
         return int(self._source_mask.shape[1])

@@ -4,6 +4,8 @@ The event loop hands rows over (`hand_over`); the worker adds them to the runnin
 (`concatenate`) before its next decoder step, steps (`generate_token`), and reports the rows
 that finished to the event loop, until the batch is empty or the loop interrupts it (a row the
 batch cannot take, a `run` call, shutdown). Only the worker touches the batch while it steps.
+After rows join or leave it reads the bytes the batch's keys/values hold (`cache_bytes`) and,
+when they changed, calls `on_cache` (from the worker thread).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class Stepper:
         self._inbox: list[QueuedRow] = []  # rows handed over, not yet added by the worker
         self._inbox_lock = threading.Lock()
         self.future: asyncio.Future[None] | None = None  # the worker's turn, while it steps
+        self.cache_bytes = 0  # the batch's `cache_bytes` when rows last joined or left
+        self.on_cache: Callable[[], None] | None = None  # called when `cache_bytes` changes
 
     @property
     def stepping(self) -> bool:
@@ -67,6 +71,7 @@ class Stepper:
             self.batch.filter(())  # the worker is done with it: safe here
             with self._inbox_lock:
                 self._inbox.clear()
+            self._read_cache()
             raise
 
     def _step_until_interrupted(self, loop: asyncio.AbstractEventLoop, on_finished: OnFinished) -> None:
@@ -80,8 +85,17 @@ class Stepper:
                                   [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners],
                                   beam_sizes=[row.key.beam_size for row in joiners])
                 metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
+                self._read_cache()
             if not len(batch) or self._interrupt.is_set():
                 return
             finished = batch.generate_token()
             if finished:
+                self._read_cache()  # before the rows' requests learn they are done
                 loop.call_soon_threadsafe(on_finished, list(finished), time.perf_counter())
+
+    def _read_cache(self) -> None:
+        held = self.batch.cache_bytes
+        if held != self.cache_bytes:
+            self.cache_bytes = held
+            if self.on_cache is not None:
+                self.on_cache()

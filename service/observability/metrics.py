@@ -108,6 +108,14 @@ ADMISSION_SHARE = Gauge(
     registry=REGISTRY,
     multiprocess_mode="livemin",
 )
+BATCH_CACHE_BYTES = Gauge(
+    "attnserve_batch_cache_bytes",
+    "Bytes the running batches' keys/values hold now (continuous batching: every slot's cache "
+    "and cross keys/values, on the host or the device), over the model's batch workers.",
+    ["model"],
+    registry=REGISTRY,
+    multiprocess_mode="livesum",
+)
 BATCH_SIZE = Histogram(
     "attnserve_batch_size",
     "Rows in each batch run by the worker (continuous batching: rows of the running batch "

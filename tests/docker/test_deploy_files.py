@@ -452,6 +452,7 @@ def test_dashboard_has_the_panels_of_the_design() -> None:
         "attnserve_inference_duration_seconds",
         "attnserve_queue_depth",
         "attnserve_batch_size_bucket",
+        "attnserve_batch_cache_bytes",
         "attnserve_input_tokens_total",
         "attnserve_generated_tokens_total",
         "attnserve_time_per_output_token_seconds_bucket",

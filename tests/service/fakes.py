@@ -136,6 +136,9 @@ class _Member:
     emitted: int = 0
 
 
+ROW_CACHE_BYTES = 1000  # what a row of `FakeRunningBatch` holds
+
+
 @dataclass
 class FakeRunningBatch:
     """Continuous batching with the fake model's outputs: one reversed token per `step` (after
@@ -155,6 +158,11 @@ class FakeRunningBatch:
     @property
     def oldest_age(self) -> int:
         return max((m.emitted for m in list(self.members)), default=0)
+
+    @property
+    def cache_bytes(self) -> int:
+        """`ROW_CACHE_BYTES` per row decoding."""
+        return ROW_CACHE_BYTES * len(self.members)
 
     def concatenate(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
             hooks: Sequence[Any] | None = None, beam_sizes: Sequence[int] | None = None) -> None:

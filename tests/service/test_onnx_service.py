@@ -102,6 +102,8 @@ async def test_concurrent_requests_are_batched_and_equal_alone(served_tiny_model
     batching = card["batching"]
     assert batching["rows"] >= 68 and batching["max_batch_rows"] > 1
     assert batching["batches"] < batching["rows"]
+    # the running batches keep their slot buffers between requests (within `keep_bytes`)
+    assert batching["continuous"] and batching["max_cache_bytes"] >= batching["cache_bytes"] > 0
     pool = app.state.registry.resolve("translate", None).batcher
     assert len(pool.batchers) == batching["workers"] == batch_workers
     assert all(b.counters.rows > 0 for b in pool.batchers)  # every worker took requests

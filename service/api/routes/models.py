@@ -49,5 +49,7 @@ def _card(entry: ModelEntry, shortlist_rows: int, gpu_memory_limit_mb: int) -> M
             max_batch_rows=counters.max_batch_rows if counters else 0,
             cancelled=counters.cancelled if counters else 0,
             running=batcher.running if batcher is not None else 0,
+            cache_bytes=batcher.cache_bytes if batcher is not None else 0,
+            max_cache_bytes=counters.max_cache_bytes if counters else 0,
         ),
     )

@@ -16,8 +16,9 @@ from service.batching.slot_batch import SlotBatch
 from service.core.errors import InternalError
 from service.generation.hooks import RowHooks
 from service.generation.search import generate
+from service.observability import metrics
 from service.runtime import ModelRuntime
-from tests.service.fakes import EOS, UNK, FakeModel, FakeRunningBatch, reverse
+from tests.service.fakes import EOS, ROW_CACHE_BYTES, UNK, FakeModel, FakeRunningBatch, reverse
 
 pytestmark = pytest.mark.anyio
 
@@ -46,6 +47,23 @@ async def test_a_late_row_joins_the_running_batch_and_leaves_before_it_ends() ->
     assert shared and len(shared) == 4  # 3 tokens + the EOS step, next to the long row
     assert batcher.counters.batches == 2 and batcher.counters.max_batch_rows == 2
     assert batcher.running == 0
+    await batcher.close(1)
+
+
+async def test_the_cache_bytes_follow_the_running_batch_and_the_most_is_kept() -> None:
+    def gauge() -> float | None:
+        return metrics.REGISTRY.get_sample_value("attnserve_batch_cache_bytes", {"model": "c-cache"})
+
+    running = FakeRunningBatch(step_delay_s=0.005)
+    batcher = make("c-cache", running)
+    long_task = asyncio.ensure_future(batcher.submit([source(60)], 1, 100))
+    await asyncio.sleep(0.05)
+    assert batcher.cache_bytes == ROW_CACHE_BYTES and gauge() == ROW_CACHE_BYTES
+    await asyncio.gather(*(batcher.submit([source(3, start=30 + i)], 1, 100) for i in range(2)))
+    assert batcher.cache_bytes == ROW_CACHE_BYTES and gauge() == ROW_CACHE_BYTES  # the two left
+    await long_task
+    assert batcher.cache_bytes == 0 and gauge() == 0
+    assert batcher.counters.max_cache_bytes == 3 * ROW_CACHE_BYTES
     await batcher.close(1)
 
 

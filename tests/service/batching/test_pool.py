@@ -15,7 +15,7 @@ from service.core.errors import Overloaded
 from service.core.settings import CPU_PROVIDER, Settings, cpu_cores
 from service.generation.hooks import RowHooks
 from service.observability import metrics
-from tests.service.fakes import EOS, FakeModel, reverse
+from tests.service.fakes import EOS, ROW_CACHE_BYTES, FakeModel, FakeRunningBatch, reverse
 
 pytestmark = pytest.mark.anyio
 
@@ -77,6 +77,24 @@ async def test_queue_depth_is_the_sum_over_the_batchers() -> None:
     model.gate.set()
     await asyncio.gather(*busy, *queued)
     assert queue_depth("pool-depth") == 0
+    await pool.close(1)
+
+
+async def test_cache_bytes_are_the_sum_over_the_batchers_and_the_most_is_kept() -> None:
+    model = FakeModel()
+    pool = BatcherPool("pool-cache", [
+        Batcher("pool-cache", model.generate, BatchLimits(max_wait_s=0.0),  # type: ignore[arg-type]
+                lambda: FakeRunningBatch(step_delay_s=0.01), thread_name=f"batch-pool-cache-{index}")
+        for index in range(2)])
+    pool.start()
+    rows = [asyncio.ensure_future(pool.submit([source(30)], 1, 50)) for _ in range(3)]
+    await asyncio.sleep(0.1)  # all three decoding, in both batchers
+    assert sorted(b.cache_bytes for b in pool.batchers) == [ROW_CACHE_BYTES, 2 * ROW_CACHE_BYTES]
+    assert metrics.REGISTRY.get_sample_value("attnserve_batch_cache_bytes", {"model": "pool-cache"}) == 3 * ROW_CACHE_BYTES
+    await asyncio.gather(*rows)
+    assert pool.cache_bytes == 0
+    assert metrics.REGISTRY.get_sample_value("attnserve_batch_cache_bytes", {"model": "pool-cache"}) == 0
+    assert pool.counters.max_cache_bytes == 3 * ROW_CACHE_BYTES
     await pool.close(1)
 
 

@@ -220,3 +220,25 @@ def test_the_service_scores_greedy_results_only_when_set(tiny_runtime: ModelRunt
         stepped += batch.generate_token()
     assert stepped[0][1].tokens == generated.tokens
     assert (generated.score is not None, stepped[0][1].score is not None) == (scored, scored)
+
+
+def test_cache_bytes_count_every_slot_s_keys_and_values(tiny_runtime: ModelRuntime, sources, make_batch) -> None:
+    """Each slot, finished or not, holds keys and values per decoder layer over its cache
+    columns (the step graph's capacity, the merged decoder's cache length) and its source
+    width."""
+    batch = make_batch(tiny_runtime)
+    per_column = (2 * tiny_runtime.n_decoder_layers * tiny_runtime.n_heads * tiny_runtime.head_dim
+                  * np.dtype(tiny_runtime.cache_dtype).itemsize)
+
+    def expected() -> int:
+        columns = batch.capacity if isinstance(batch, SlotBatch) else batch.cache_len
+        return batch.slots * per_column * (columns + batch.source_len)
+
+    batch.concatenate(sources[:2], [0, 1], [30, 30])
+    batch.generate_token()
+    small = batch.cache_bytes
+    assert small == expected() > 0
+    batch.concatenate(sources[2:12], list(range(2, 12)), [30] * 10)
+    for _ in range(3):
+        batch.generate_token()
+    assert batch.cache_bytes == expected() > small

@@ -23,6 +23,7 @@ DESIGN = {
     "attnserve_queue_depth": ("gauge", {"model"}),
     "attnserve_admission_share": ("gauge", {"model"}),
     "attnserve_batch_size": ("histogram", {"model"}),
+    "attnserve_batch_cache_bytes": ("gauge", {"model"}),
     "attnserve_input_tokens_total": ("counter", {"model"}),
     "attnserve_generated_tokens_total": ("counter", {"model"}),
     "attnserve_rejected_total": ("counter", {"model", "reason"}),
@@ -58,6 +59,7 @@ def _observe_everything(model: str) -> None:
     metrics.ADMISSION_SHARE.labels(model).set(0.5)
     for rows in (1, 3, 8):
         metrics.BATCH_SIZE.labels(model).observe(rows)
+    metrics.BATCH_CACHE_BYTES.labels(model).set(4096)
     metrics.INPUT_TOKENS_TOTAL.labels(model).inc(7)
     metrics.GENERATED_TOKENS_TOTAL.labels(model).inc(9)
     metrics.REJECTED_TOTAL.labels(model, "queue_full").inc()
