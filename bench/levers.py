@@ -193,6 +193,19 @@ def tuned_ctranslate2(model_dir: Path, workload: workload_module.Workload, out_d
     return setting, found
 
 
+def _rss_range(run: dict[str, Any]) -> str:
+    """The server's peak RSS over the variant's runs (its processes together), min-max."""
+    peaks = [r["peak_rss_mb"] for r in run["runs"] if "peak_rss_mb" in r]
+    return f"{min(peaks):.0f}-{max(peaks):.0f}" if peaks else "-"
+
+
+def _cache_mb(run: dict[str, Any]) -> str:
+    """The most bytes the median run's running batches held at once (`max_cache_bytes` of the
+    model's card: with `--workers`, the worker that answered), in MiB."""
+    held = run["batching"].get("max_cache_bytes")
+    return f"{held / 2**20:.1f}" if held is not None else "-"
+
+
 def markdown(results: dict[str, Any]) -> str:
     load = (f"an offered load of {results['rate']:g} requests/s (open loop, {results['duration_s']:g} s)"
             if results.get("rate") else f"concurrency {results['concurrency']}")
@@ -204,8 +217,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
              ("| variant | flags | sentences/s | p50 s | p95 s | server CPU s | event loop ms/request "
-              "| joins (batches) | failed requests, all runs | vs CTranslate2 |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+              "| joins (batches) | peak RSS MB, all runs | batch cache MB, most | failed requests, all runs | vs CTranslate2 |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     reference = results.get("ctranslate2")
     single = bool(reference and reference.get("single"))
     if single:
@@ -219,8 +232,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} "
                      f"({min(speeds):.1f}-{max(speeds):.1f}) | "
                      f"{run['latency_p50_s']:.3f} | {run['latency_p95_s']:.3f} | {run['server_cpu_s']:.1f} | "
-                     f"{_loop_ms(run)} | {run['batching']['batches']} | {sum(r.get('errors', 0) for r in run['runs'])} "
-                     f"| {ratio} |")
+                     f"{_loop_ms(run)} | {run['batching']['batches']} | {_rss_range(run)} | {_cache_mb(run)} "
+                     f"| {sum(r.get('errors', 0) for r in run['runs'])} | {ratio} |")
     if reference:
         speeds = [r["sentences_per_s"] for r in reference["runs"]]
         setting = (f"{reference.get('replicas', 1)} replica(s) x {reference.get('intra_threads', 0) or 'default'} "
@@ -229,11 +242,11 @@ def markdown(results: dict[str, Any]) -> str:
             setting = f"{reference.get('replicas', 1)} replica(s) x {reference.get('intra_threads', 0) or 'default'} threads"
             lines.append(f"| CTranslate2 int8, one sentence per call (in-process, {setting}) | - | "
                          f"{reference['sentences_per_s']:.1f} ({min(speeds):.1f}-{max(speeds):.1f}) | "
-                         f"{reference['latency_p50_s']:.3f} | {reference['latency_p95_s']:.3f} | - | - | - | - | 1.00 |")
+                         f"{reference['latency_p50_s']:.3f} | {reference['latency_p95_s']:.3f} | - | - | - | - | - | - | 1.00 |")
         else:
             lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, {setting}) | - | "
                          f"{reference['sentences_per_s']:.1f} "
-                         f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | - | 1.00 |")
+                         f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | - | - | - | 1.00 |")
     tuning = results.get("ctranslate2_tuning")
     if tuning:
         def point(p: dict[str, Any]) -> str:

@@ -34,8 +34,14 @@ def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_pat
     assert continuous["errors"] == dynamic["errors"] == 0
     assert continuous["batching"]["continuous"] and not dynamic["batching"]["continuous"]
     assert dynamic["flags"] == ["--no-continuous-batching"] and continuous["server_cpu_s"] > 0
+    # the running batch's key/value memory; request-level batches hold none between requests
+    assert continuous["batching"]["max_cache_bytes"] > 0 == dynamic["batching"]["max_cache_bytes"]
     table = (out / "levers.md").read_text(encoding="utf-8")
     assert "| request-level (dynamic) batching | `--no-continuous-batching` |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| defaults (continuous batching) |"))
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    low, high = (float(mb) for mb in cells[8].split("-"))  # peak RSS over the two runs
+    assert 0 < low <= high and float(cells[9]) == round(continuous["batching"]["max_cache_bytes"] / 2**20, 1)
 
 
 def test_levers_time_ctranslate2_in_the_same_turns(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
