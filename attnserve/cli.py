@@ -49,6 +49,8 @@ SUBCOMMANDS = (
                "export.commands", ("train", "serve")),
     Subcommand("update-step-graphs", "give a model repository's step graphs this exporter's graph passes",
                "export.commands", ("train", "serve")),
+    Subcommand("add-int8-cache", "give a model repository's int8 step graphs an int8 cache",
+               "export.commands", ("train", "serve")),
     Subcommand("serve", "serve the models of a model repository over HTTP", "service.process.commands", ("serve",)),
     Subcommand("bench", "benchmark the service against in-process ONNX, naive PyTorch and CTranslate2",
                "bench.commands", ("serve", "train", "bench")),

@@ -146,6 +146,9 @@ def measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]]
     ms per step, tokens the same as `dynamic`'s, largest logit difference while they agree."""
     if runtime.step is None:
         return {"error": "the variant has no step graph"}
+    cache_type = {i.name: i.type for i in runtime.step.get_inputs()}["past_key.0"]
+    if cache_type not in _DTYPES:
+        return {"error": f"the step graph's cache is {cache_type} (export.kv_cache): a float graph only"}
     limit = max_new_tokens or runtime.max_target_len
     sessions: dict[str, ort.InferenceSession | str] = {"dynamic": runtime.step, "static": static_session(model_dir, runtime)}
     if runtime.provider != CUDA:

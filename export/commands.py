@@ -22,6 +22,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _register_add_step_graph(subcommands)
     _register_add_shortlist(subcommands)
     _register_update_step_graphs(subcommands)
+    _register_add_int8_cache(subcommands)
 
 
 def _register_export(subcommands: argparse._SubParsersAction) -> None:
@@ -280,6 +281,42 @@ def _update_step_graphs(args: argparse.Namespace) -> int:
         logger.error("cannot update the step graphs of %s: %s", args.model_dir, error)
         return 2
     print(json.dumps({"model_dir": args.model_dir, "updated": changed}, indent=2))
+    return 0
+
+
+def _register_add_int8_cache(subcommands: argparse._SubParsersAction) -> None:
+    p = subcommands.add_parser(
+        "add-int8-cache", help="give a model repository's int8 step graphs an int8 cache",
+        description="Rewrite the step graphs of a variant (its decoder_step and its shortlist's) so that "
+        "their self-attention cache and cross keys/values are int8 with one fixed scale per tensor and layer "
+        "(onnxruntime's GroupQueryAttention quantizes new positions and dequantizes as it reads), the scales "
+        "calibrated on the valid split; decode the test split in a running batch before and after and record "
+        "both BLEU scores and the scales in the manifest. Refused, the repository left unchanged, when BLEU "
+        "drops more than --max-drop points.",
+    )
+    p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
+    p.add_argument("--data-dir", required=True, help="the task's data folder ({valid,test}.{src,tgt})")
+    p.add_argument("--variant", default="int8")
+    p.add_argument("--calibration-rows", type=int, default=500, help="valid sentences to calibrate on")
+    p.add_argument("--test-rows", type=int, help="test sentences to measure quality on (default: all)")
+    p.add_argument("--max-drop", type=float, default=0.1, help="largest BLEU drop allowed (default 0.1)")
+    p.set_defaults(func=_add_int8_cache)
+
+
+def _add_int8_cache(args: argparse.Namespace) -> int:
+    from export.kv_cache import QualityDrop, add_int8_cache
+    from service.repository.manifest import ManifestError
+
+    try:
+        record = add_int8_cache(args.model_dir, args.data_dir, args.variant, args.calibration_rows,
+                                args.test_rows, args.max_drop)
+    except QualityDrop as error:
+        logger.error("the int8 cache costs too much: %s", error)
+        return 1
+    except (ManifestError, ValueError, RuntimeError, OSError) as error:
+        logger.error("cannot add an int8 cache to %s: %s", args.model_dir, error)
+        return 2
+    print(json.dumps({"model_dir": args.model_dir, "int8_cache": record or "present already"}, indent=2))
     return 0
 
 

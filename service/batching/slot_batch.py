@@ -74,7 +74,13 @@ from service.batching.in_flight import (
 from service.core.settings import SHORTLIST_SHARE
 from service.generation.hooks import RowHooks
 from service.generation.search import BeamRow, GenerationResult, beam_candidates, log_softmax
-from service.runtime.device_slots import DeviceSlots, slot_graphs, step_dtypes, step_element_types
+from service.runtime.device_slots import (
+    DeviceSlots,
+    cross_scales,
+    slot_graphs,
+    step_dtypes,
+    step_element_types,
+)
 from service.runtime.protocol import Runtime
 from service.runtime.shortlist import Shortlist, ShortlistCounts
 from service.runtime.step_buffers import HostSlots
@@ -194,7 +200,7 @@ class SlotBatch(Generic[Owner]):
         self._beams: dict[BeamGroup[Owner], None] = {}
         self._slots: Slots = (_device_slots(runtime, rows, capacity) if on_device else
                               HostSlots(runtime.n_decoder_layers, rows, runtime.n_heads, capacity, runtime.head_dim,
-                                        0, *step_dtypes(runtime.step)))
+                                        0, *step_dtypes(runtime.step), cross_scales(runtime.step)))
         self._source_mask = np.zeros((rows, 0), dtype=bool)  # (slots, S) True on real source tokens
         self._positions = np.zeros(rows, dtype=np.int64)  # (slots,) each row's cached length
         self._last = np.zeros(rows, dtype=np.int64)  # (slots,) each row's next input token

@@ -23,6 +23,10 @@ decoder_step.onnx (continuous batching, `export.step_graph`: each row over its o
            (batch, heads, capacity, head_dim); cross_key.{i}, cross_value.{i}
   outputs  logits (batch, vocab); present_key.{i}, present_value.{i} (batch, heads, capacity,
            head_dim): the past buffers with each row's new position written
+  An int8-cache step graph (`export.kv_cache`) takes the cache and the cross keys/values as
+  int8 (a value = its int8 times a fixed scale per tensor and layer): the cache's scales are
+  its own, the cross keys/values' are in its metadata (`CROSS_SCALES`), for the caller that
+  writes them there.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from typing import Any
 # named dynamic axes
 BATCH, SOURCE_LEN, NEW_LEN, PAST_LEN, TOTAL_LEN = "batch", "source_len", "new_len", "past_len", "total_len"
 CAPACITY = "capacity"
+# the step graph's metadata key: a JSON list of the int8 cross keys/values' scales, one per
+# input in the order cross_key.0, cross_value.0, cross_key.1, ...
+CROSS_SCALES = "cross_kv_scales"
 
 
 def encoder_inputs() -> list[str]:

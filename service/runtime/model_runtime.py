@@ -40,7 +40,13 @@ from service.repository.manifest import (
     read_manifest,
     verify_files,
 )
-from service.runtime.device_slots import DeviceSlots, slot_graphs, step_dtypes, step_element_types
+from service.runtime.device_slots import (
+    DeviceSlots,
+    cross_scales,
+    slot_graphs,
+    step_dtypes,
+    step_element_types,
+)
 from service.runtime.providers import (
     AUTO_IO_BINDING,
     CPU,
@@ -379,7 +385,7 @@ class ModelRuntime:
                                     2, self.n_heads, 4, self.head_dim, width, cache_type, cross_type)
             else:
                 slots = HostSlots(self.n_decoder_layers, 2, self.n_heads, 4, self.head_dim, width,
-                                  *step_dtypes(self.step))
+                                  *step_dtypes(self.step), cross_scales(self.step))
             slots.write(0, cross)
             slots.move_rows(np.array([1]), np.array([0]), 1)
             for position in (0, 1):

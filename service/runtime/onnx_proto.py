@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import numpy as np
 
 # TensorProto.DataType values
-FLOAT, INT64, BOOL, FLOAT16, DOUBLE = 1, 7, 9, 10, 11
+FLOAT, INT8, INT64, BOOL, FLOAT16, DOUBLE = 1, 3, 7, 9, 10, 11
 
 # ONNX element type of the numpy dtypes the runtime's buffers use, and back
 ONNX_TYPES: dict[np.dtype, int] = {np.dtype(np.float32): FLOAT, np.dtype(np.float16): FLOAT16, np.dtype(np.float64): DOUBLE,
-              np.dtype(np.int64): INT64, np.dtype(np.bool_): BOOL}
+              np.dtype(np.int64): INT64, np.dtype(np.bool_): BOOL, np.dtype(np.int8): INT8}
 NUMPY_TYPES: dict[int, np.dtype] = {onnx_type: dtype for dtype, onnx_type in ONNX_TYPES.items()}
 
 _ATTRIBUTE_INT, _ATTRIBUTE_INTS = 2, 7  # AttributeProto.AttributeType

@@ -25,7 +25,7 @@ AUTO_IO_BINDING = {CUDA: True, CPU: False}
 # the provider. onnxruntime's CUDA kernel takes float16 (and bfloat16) only: a float32 step graph
 # on CUDA would run its attention on the CPU, copying every layer's cache both ways at each step,
 # so the runtime serves it on the merged decoder instead (`ModelRuntime.load`'s `step_graph`).
-STEP_CACHE_TYPES = {CUDA: ("tensor(float16)",), CPU: ("tensor(float)", "tensor(float16)")}
+STEP_CACHE_TYPES = {CUDA: ("tensor(float16)",), CPU: ("tensor(float)", "tensor(float16)", "tensor(int8)")}
 # Whether a provider serves a usable step graph unless told not to (`step_graph`); both do since
 # `make gpu-check` saw the fp16 step graph on CUDA decode the CPU's tokens.
 STEP_GRAPH_BY_DEFAULT = {CUDA: True, CPU: True}

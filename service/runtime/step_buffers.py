@@ -167,16 +167,23 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
 class HostSlots:
     """The slot buffers of a `SlotBatch` in host memory: the cache (`CacheBuffers`) and, per
     decoder layer, the cross keys/values (rows, h, width, d) as numpy arrays; slot b's source
-    in cross columns 0..its source length-1 (zeros after). The interface `SlotBatch` uses, as
+    in cross columns 0..its source length-1 (zeros after). With an int8 step graph the cache and
+    the cross keys/values are int8; newcomers' cross keys/values are quantized as they are
+    written (`cross_scales`; the graph quantizes the cache's new positions itself). The interface `SlotBatch` uses, as
     `device_slots.DeviceSlots` offers it on a device. The cache is of `cache_dtype` and the cross
     keys/values of `cross_dtype` (the step graph's input types); newcomers' cross keys/values of
     another float type are cast as they are written."""
 
     def __init__(self, layers: int, rows: int, heads: int, capacity: int, head_dim: int, width: int = 0,
-                 cache_dtype: type = np.float32, cross_dtype: type = np.float32) -> None:
+                 cache_dtype: type = np.float32, cross_dtype: type = np.float32,
+                 cross_scales: Sequence[float] | None = None) -> None:
         self.buffers = CacheBuffers(layers, rows, heads, capacity, head_dim, cache_dtype)
         # cross_key.0, cross_value.0, ...: (slots, h, S, d); the padding past a row's source is masked
         self.cross: list[np.ndarray] = [np.zeros((rows, heads, width, head_dim), dtype=cross_dtype) for _ in range(2 * layers)]
+        # int8 cross keys/values: each array's scale (`device_slots.cross_scales`), newcomers quantized to it
+        self.cross_scales = list(cross_scales) if cross_scales is not None else None
+        if np.issubdtype(cross_dtype, np.integer) and (self.cross_scales is None or len(self.cross_scales) != 2 * layers):
+            raise ValueError(f"int8 cross keys/values need {2 * layers} scales, got {cross_scales}")
         self._binding: StepBinding | None = None  # the step graph bound to these buffers (`step`)
 
     @property
@@ -199,9 +206,12 @@ class HostSlots:
     def write(self, row: int, cross: Sequence[Tensor]) -> None:
         """Write a group of newcomers' cross keys/values (cross_key.0, cross_value.0, ...:
         (count, h, w, d), w <= width) into slots row..row+count-1, zeros past w."""
-        for target, new in zip(self.cross, cross, strict=True):
+        for index, (target, new) in enumerate(zip(self.cross, cross, strict=True)):
             count, _, w, _ = shape(new)
-            target[row:row + count, :, :w] = to_numpy(new)
+            values = to_numpy(new)
+            if self.cross_scales is not None:  # int8: the nearest multiple of the array's scale
+                values = np.clip(np.rint(values / self.cross_scales[index]), -127, 127)
+            target[row:row + count, :, :w] = values
             target[row:row + count, :, w:] = 0
 
     def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int, cross: bool = True) -> None:
@@ -220,6 +230,7 @@ class HostSlots:
         change is kept as it is (not copied)."""
         new = HostSlots.__new__(HostSlots)
         new._binding = None
+        new.cross_scales = self.cross_scales
         new.buffers = self.buffers
         if (rows, capacity) != (self.rows, self.capacity):
             new.buffers = self.buffers.resized(rows, capacity, kept_rows, kept_columns)

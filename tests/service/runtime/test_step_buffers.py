@@ -49,3 +49,18 @@ def test_host_slots_move_cache_columns_and_cross_rows() -> None:
     before = [a.copy() for a in slots.cross]
     slots.move_rows(np.array([1]), np.array([3]), 5, cross=False)  # a beam's cache only
     assert all((a == b).all() for a, b in zip(slots.cross, before, strict=True))
+
+
+def test_int8_cross_keys_values_are_quantized_to_their_scales_as_they_are_written() -> None:
+    with pytest.raises(ValueError, match="scales"):
+        HostSlots(1, 2, 1, 4, 2, width=3, cache_dtype=np.int8, cross_dtype=np.int8)
+    slots = HostSlots(1, 2, 1, 4, 2, width=3, cache_dtype=np.int8, cross_dtype=np.int8, cross_scales=[0.5, 0.01])
+    key = np.array([[[[1.2, -0.3], [100.0, 0.26]]]], dtype=np.float32)  # (1 row, 1 head, 2 columns, 2)
+    value = np.full((1, 1, 2, 2), -0.035, dtype=np.float32)
+    slots.write(1, [key, value])
+    assert slots.cross[0].dtype == np.int8
+    assert slots.cross[0][1, 0, :2].tolist() == [[2, -1], [127, 1]]  # nearest multiples of 0.5, clipped at 127
+    assert slots.cross[1][1, 0, :2].tolist() == [[-4, -4], [-4, -4]]
+    assert slots.cross[0][1, 0, 2].tolist() == [0, 0] and not slots.cross[0][0].any()  # padding and other slots
+    grown = slots.resized(4, 8, 3, 2, 1)
+    assert grown.cross_scales == [0.5, 0.01] and grown.cross[0][1, 0, :2].tolist() == [[2, -1], [127, 1]]

@@ -1,0 +1,102 @@
+"""The step graph with an int8 cache (`export.kv_cache`) and `attnserve add-int8-cache`, on the
+tiny model: the graph's cache and cross keys/values become int8, the running batch decodes
+with it, its slot buffers take a quarter of the bytes, and the command records the quality it
+measured or refuses and leaves the repository as it was."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto
+
+from export.kv_cache import QualityDrop, add_int8_cache, calibrate, has_int8_cache, int8_cache_graph
+from service.batching.slot_batch import SlotBatch, generate_running
+from service.repository import graph_io
+from service.repository.manifest import read_manifest, verify_files
+from service.runtime import CPU, ModelRuntime
+
+
+@pytest.fixture
+def repository(tiny_model_repository: Path, tiny_data_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the tiny repository, and a data folder with its test split and a valid split."""
+    copy = tmp_path / "tiny-reverse"
+    shutil.copytree(tiny_model_repository, copy)
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    for side in ("src", "tgt"):
+        lines = (data / f"train.{side}").read_text(encoding="utf-8").splitlines()[:100]
+        (data / f"valid.{side}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return copy, data
+
+
+def _sources(runtime: ModelRuntime, data: Path) -> list[list[int]]:
+    texts = (data / "test.src").read_text(encoding="utf-8").splitlines()
+    return [ids + [runtime.eos_id] for ids in runtime.tokenizer.encode_batch(texts)]
+
+
+def test_the_rewritten_graph_takes_int8_and_lists_the_cross_scales(repository: tuple[Path, Path]) -> None:
+    directory, data = repository
+    runtime = ModelRuntime.load(directory, [CPU], threads=1, variant="int8", step_graph=True)
+    scales = calibrate(runtime, _sources(runtime, data)[:8])
+    layers = runtime.n_decoder_layers
+    assert len(scales.self_attention) == len(scales.cross_attention) == layers
+    assert all(0 < scale < 1 for pair in [*scales.self_attention, *scales.cross_attention] for scale in pair)
+    step_file = directory / read_manifest(directory).variants["int8"].step_decoder
+    original = onnx.load_model(str(step_file), load_external_data=False)
+    graph = int8_cache_graph(original, scales)
+    assert not has_int8_cache(original) and has_int8_cache(graph)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.graph.input, *graph.graph.output]}
+    for i in range(layers):
+        for name in (f"past_key.{i}", f"cross_value.{i}", f"present_value.{i}", f"present_cross_key.{i}"):
+            assert types[name] == TensorProto.INT8, name
+    assert types["logits"] == TensorProto.FLOAT
+    listed = json.loads({p.key: p.value for p in graph.metadata_props}[graph_io.CROSS_SCALES])
+    assert listed == pytest.approx([s for pair in scales.cross_attention for s in pair])
+    attention = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 2 * layers and all(len(n.input) == 14 for n in attention)
+
+
+def test_add_int8_cache_records_its_quality_and_quarters_the_slot_buffers(repository: tuple[Path, Path]) -> None:
+    directory, data = repository
+    before = ModelRuntime.load(directory, [CPU], threads=1, variant="int8", step_graph=True)
+    sources = _sources(before, data)
+    expected = dict(generate_running(before, list(enumerate(sources)), rows=8))
+    record = add_int8_cache(directory, data, calibration_rows=50, threads=1)
+    assert record is not None and record["graphs"] == [read_manifest(directory).variants["int8"].step_decoder]
+    manifest = read_manifest(directory)
+    verify_files(directory, manifest)  # the new graphs' sha256s are listed
+    assert manifest.exporter["int8_cache"] == record
+    quality = record["quality"]
+    assert quality["rows"] == len(sources) and quality["int8_cache"]["bleu"] >= quality["float_cache"]["bleu"] - 0.1
+    after = ModelRuntime.load(directory, [CPU], threads=1, variant="int8", step_graph=True)
+    assert after.step is not None and {i.name: i.type for i in after.step.get_inputs()}["cross_key.0"] == "tensor(int8)"
+    actual = dict(generate_running(after, list(enumerate(sources)), rows=8))
+    same = sum(actual[i].tokens == expected[i].tokens for i in expected)
+    assert same >= 0.9 * len(sources) and quality["rows_with_other_tokens"] <= 0.1 * len(sources)
+    float_batch, int8_batch = SlotBatch(before), SlotBatch(after)
+    for batch in (float_batch, int8_batch):
+        batch.concatenate(sources[:4], [0, 1, 2, 3], [8] * 4)
+    assert int8_batch.cache_bytes * 4 == float_batch.cache_bytes
+    assert add_int8_cache(directory, data, calibration_rows=50, threads=1) is None  # present already
+
+
+def test_a_quality_drop_over_the_bound_leaves_the_repository_as_it_was(repository: tuple[Path, Path]) -> None:
+    directory, data = repository
+    files = {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+    with pytest.raises(QualityDrop, match="BLEU"):
+        add_int8_cache(directory, data, calibration_rows=50, max_drop=-100.0, threads=1)  # any result is a drop
+    assert {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()} == files
+
+
+def test_only_translation_repositories_are_measured(repository: tuple[Path, Path]) -> None:
+    directory, data = repository
+    manifest_file = directory / "manifest.json"
+    values = json.loads(manifest_file.read_text(encoding="utf-8"))
+    values["task"] = "summarize"
+    manifest_file.write_text(json.dumps(values), encoding="utf-8")
+    with pytest.raises(ValueError, match="translation"):
+        add_int8_cache(directory, data)
