@@ -291,15 +291,15 @@ def _register_add_int8_cache(subcommands: argparse._SubParsersAction) -> None:
         "their self-attention cache and cross keys/values are int8 with one fixed scale per tensor and layer "
         "(onnxruntime's GroupQueryAttention quantizes new positions and dequantizes as it reads), the scales "
         "calibrated on the valid split; decode the test split in a running batch before and after and record "
-        "both BLEU scores and the scales in the manifest. Refused, the repository left unchanged, when BLEU "
-        "drops more than --max-drop points.",
+        "both scores (BLEU and chrF, or ROUGE-1/2/L) and the scales in the manifest. Refused, the repository "
+        "left unchanged, when a score drops more than --max-drop points.",
     )
     p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
     p.add_argument("--data-dir", required=True, help="the task's data folder ({valid,test}.{src,tgt})")
     p.add_argument("--variant", default="int8")
     p.add_argument("--calibration-rows", type=int, default=500, help="valid sentences to calibrate on")
     p.add_argument("--test-rows", type=int, help="test sentences to measure quality on (default: all)")
-    p.add_argument("--max-drop", type=float, default=0.1, help="largest BLEU drop allowed (default 0.1)")
+    p.add_argument("--max-drop", type=float, default=0.1, help="largest drop of any score allowed (default 0.1)")
     p.set_defaults(func=_add_int8_cache)
 
 

@@ -157,11 +157,13 @@ def add_int8_cache(directory: str | Path, data_dir: str | Path, variant: str = "
     """Give the step graphs of `variant` in the repository `directory` (its `step_decoder` and its
     shortlist's) an int8 cache (`int8_cache_graph`), in place, with scales calibrated on the
     first `calibration_rows` sentences of `data_dir`'s valid split; decode the first `test_rows`
-    test sentences (all by default) in a running batch before and after and record both BLEU scores, the share of
+    test sentences (all by default) in a running batch before and after and record both scores, the share of
     sentences whose tokens changed and the scales in the manifest (`exporter.int8_cache`).
-    Refused, the repository left as it was, when BLEU drops more than `max_drop`. Returns the
+    Refused, the repository left as it was, when a metric of the task (`export.quality.METRICS`)
+    drops more than `max_drop`. Returns the
     record, or None when the graphs have an int8 cache already."""
-    from model.evaluation import translation_scores
+    from export.quality import METRICS
+    from model.evaluation import rouge_scores, translation_scores
     from model.run_config import read_split
     from service.repository.manifest import (
         MANIFEST_FILE,
@@ -173,8 +175,6 @@ def add_int8_cache(directory: str | Path, data_dir: str | Path, variant: str = "
     directory, data_dir = Path(directory), Path(data_dir)
     manifest = read_manifest(directory)
     verify_files(directory, manifest)
-    if manifest.task != "translate":
-        raise ValueError(f"{directory}: the quality check is BLEU on a translation test split, not {manifest.task}")
     if variant not in manifest.variants or not manifest.variants[variant].step_decoder:
         raise ValueError(f"{directory}: no {variant} variant with a step graph")
     entry = manifest.variants[variant]
@@ -199,12 +199,13 @@ def add_int8_cache(directory: str | Path, data_dir: str | Path, variant: str = "
         after = ModelRuntime.load(directory, [CPU], threads=threads, variant=variant, step_graph=True)
         actual = _decode(after, sources)
         decode = before.tokenizer.decode
-        quality = {label: translation_scores([decode(t) for t in tokens], references[:len(sources)])
+        score = translation_scores if manifest.task == "translate" else rouge_scores
+        quality = {label: score([decode(t) for t in tokens], references[:len(sources)])
                    for label, tokens in (("float_cache", expected), ("int8_cache", actual))}
-        drop = quality["float_cache"]["bleu"] - quality["int8_cache"]["bleu"]
-        if drop > max_drop:
-            raise QualityDrop(f"BLEU {quality['float_cache']['bleu']} -> {quality['int8_cache']['bleu']} with the "
-                              f"int8 cache (more than {max_drop} points)")
+        for metric in METRICS[manifest.task]:
+            if quality["float_cache"][metric] - quality["int8_cache"][metric] > max_drop:
+                raise QualityDrop(f"{metric} {quality['float_cache'][metric]} -> {quality['int8_cache'][metric]} "
+                                  f"with the int8 cache (more than {max_drop} points)")
         record = {"variant": variant, "graphs": files, "scales": scales.to_dict(),
                   "calibration": f"valid split, first {len(calibration)} rows",
                   "quality": {"split": "test", "rows": len(sources), "decoding": "greedy, one running batch of 64 rows",
