@@ -169,6 +169,9 @@ def _device_slots(runtime: Runtime, rows: int, capacity: int) -> DeviceSlots:
     device = getattr(runtime, "device", "cpu")
     graphs = slot_graphs(runtime.provider, device, int(getattr(runtime, "device_id", 0)))
     cache_type, cross_type = step_element_types(runtime.step)
+    if cross_scales(runtime.step) is not None:
+        raise ValueError("a step graph with an int8 cache runs with host slots only (its newcomers are "
+                         "quantized as the host writes them)")
     return DeviceSlots(graphs, runtime.n_decoder_layers, rows, runtime.n_heads, capacity, runtime.head_dim,
                        cache_type=cache_type, cross_type=cross_type)
 

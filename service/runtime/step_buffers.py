@@ -167,12 +167,12 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
 class HostSlots:
     """The slot buffers of a `SlotBatch` in host memory: the cache (`CacheBuffers`) and, per
     decoder layer, the cross keys/values (rows, h, width, d) as numpy arrays; slot b's source
-    in cross columns 0..its source length-1 (zeros after). With an int8 step graph the cache and
-    the cross keys/values are int8; newcomers' cross keys/values are quantized as they are
-    written (`cross_scales`; the graph quantizes the cache's new positions itself). The interface `SlotBatch` uses, as
+    in cross columns 0..its source length-1 (zeros after). The interface `SlotBatch` uses, as
     `device_slots.DeviceSlots` offers it on a device. The cache is of `cache_dtype` and the cross
     keys/values of `cross_dtype` (the step graph's input types); newcomers' cross keys/values of
-    another float type are cast as they are written."""
+    another float type are cast as they are written, and with an int8 step graph
+    (`export.kv_cache`) quantized to `cross_scales` (the graph quantizes the cache's new
+    positions itself)."""
 
     def __init__(self, layers: int, rows: int, heads: int, capacity: int, head_dim: int, width: int = 0,
                  cache_dtype: type = np.float32, cross_dtype: type = np.float32,

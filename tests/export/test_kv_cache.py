@@ -81,6 +81,8 @@ def test_add_int8_cache_records_its_quality_and_quarters_the_slot_buffers(reposi
     for batch in (float_batch, int8_batch):
         batch.concatenate(sources[:4], [0, 1, 2, 3], [8] * 4)
     assert int8_batch.cache_bytes * 4 == float_batch.cache_bytes
+    with pytest.raises(ValueError, match="host slots only"):
+        SlotBatch(after, on_device=True)  # device slots would write newcomers unquantized
     assert add_int8_cache(directory, data, calibration_rows=50, threads=1) is None  # present already
 
 
