@@ -53,6 +53,9 @@ def measure(model_dir: Path, source_len: int, capacity: int, repeats: int, seed:
     session = runtime.step
     if session is None:
         raise SystemExit(f"{model_dir}: variant {runtime.variant} has no step graph (decoder_step.onnx)")
+    if {i.name: i.type for i in session.get_inputs()}["past_key.0"] != "tensor(float)":
+        raise SystemExit(f"{model_dir}: the {runtime.variant} step graph's cache is not float32 (an int8 cache, "
+                         "export.kv_cache): this comparison feeds float buffers; use a repository with a float cache")
     rng = np.random.default_rng(seed)
     layers, heads, head_dim = runtime.n_decoder_layers, runtime.n_heads, runtime.head_dim
     rows = []
