@@ -157,16 +157,16 @@ def add_int8_cache(directory: str | Path, data_dir: str | Path, variant: str = "
     """Give the step graphs of `variant` in the repository `directory` (its `step_decoder` and its
     shortlist's) an int8 cache (`int8_cache_graph`), in place, with scales calibrated on the
     first `calibration_rows` sentences of `data_dir`'s valid split; decode the first `test_rows`
-    test sentences (all by default) in a running batch before and after and record both scores, the share of
-    sentences whose tokens changed and the scales in the manifest (`exporter.int8_cache`).
-    Refused, the repository left as it was, when a metric of the task (`export.quality.METRICS`)
-    drops more than `max_drop`. Returns the
+    test sentences (all by default) in a running batch before and after and record both scores,
+    the share of sentences whose tokens changed and the scales in the manifest
+    (`exporter.int8_cache`). Refused, the repository left as it was (`restored_on_failure`), when
+    a metric of the task (`export.quality.METRICS`) drops more than `max_drop`. Returns the
     record, or None when the graphs have an int8 cache already."""
     from export.quality import METRICS
+    from export.repository import restored_on_failure
     from model.evaluation import rouge_scores, translation_scores
     from model.run_config import read_split
     from service.repository.manifest import (
-        MANIFEST_FILE,
         read_manifest,
         verify_files,
         write_manifest,
@@ -190,9 +190,7 @@ def add_int8_cache(directory: str | Path, data_dir: str | Path, variant: str = "
     texts, references = read_split(data_dir, "test")
     sources = [ids[:keep] + [before.eos_id] for ids in before.tokenizer.encode_batch(texts[:test_rows])]
     expected = _decode(before, sources)
-    originals = {name: (directory / name).read_bytes() for name in files}
-    manifest_text = (directory / MANIFEST_FILE).read_bytes()
-    try:
+    with restored_on_failure(directory, files):
         for name, graph in graphs.items():
             onnx.save_model(int8_cache_graph(graph, scales), str(directory / name))
         write_manifest(directory, manifest)
@@ -213,11 +211,6 @@ def add_int8_cache(directory: str | Path, data_dir: str | Path, variant: str = "
         manifest.exporter["int8_cache"] = record
         write_manifest(directory, manifest)
         verify_files(directory, read_manifest(directory))
-    except BaseException:
-        for name, data in originals.items():
-            (directory / name).write_bytes(data)
-        (directory / MANIFEST_FILE).write_bytes(manifest_text)
-        raise
     return record
 
 

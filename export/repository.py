@@ -7,10 +7,11 @@ a failed export (parity, size) never leaves a half-written model where the servi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +341,19 @@ def step_graph_files(manifest: Manifest) -> list[str]:
     return list(dict.fromkeys(files))
 
 
+@contextlib.contextmanager
+def restored_on_failure(directory: Path, names: Iterable[str]) -> Iterator[None]:
+    """On any failure inside, the files `names` of the repository `directory` and its manifest
+    get back the bytes they had on entry."""
+    saved = {name: (directory / name).read_bytes() for name in [*names, MANIFEST_FILE]}
+    try:
+        yield
+    except BaseException:
+        for name, data in saved.items():
+            (directory / name).write_bytes(data)
+        raise
+
+
 def update_step_graphs(directory: str | Path) -> list[str]:
     """Give the step graphs of the repository `directory` (`step_graph_files`) this exporter's
     graph passes (`share_input_shapes`), in place: only the graphs' nodes change, their weights
@@ -350,10 +364,10 @@ def update_step_graphs(directory: str | Path) -> list[str]:
     directory = Path(directory)
     manifest = read_manifest(directory)
     verify_files(directory, manifest)
+    files = step_graph_files(manifest)
     originals: dict[str, bytes] = {}
-    manifest_text = (directory / MANIFEST_FILE).read_bytes()
-    try:
-        for name in step_graph_files(manifest):
+    with restored_on_failure(directory, files):
+        for name in files:
             path = directory / name
             graph = onnx.load_model(str(path), load_external_data=False)
             if not share_input_shapes(graph):
@@ -364,11 +378,6 @@ def update_step_graphs(directory: str | Path) -> list[str]:
         if originals:
             write_manifest(directory, manifest)
             verify_files(directory, read_manifest(directory))
-    except BaseException:
-        for name, data in originals.items():
-            (directory / name).write_bytes(data)
-        (directory / MANIFEST_FILE).write_bytes(manifest_text)
-        raise
     for name in originals:
         log.info("%s: %s updated", directory, name)
     return list(originals)
