@@ -67,7 +67,7 @@ def run_batches(runtime: ModelRuntime, sources: list[list[int]], batch_size: int
     return summarise(latencies, sum(len(o.tokens) for o in ordered), elapsed), ordered
 
 
-ENGINES = ("batches", "running")
+ENGINES = ("batches", "running", "running-sorted")
 CTRANSLATE2 = "CTranslate2"  # its row in `turns`
 
 
@@ -75,7 +75,9 @@ CTRANSLATE2 = "CTranslate2"  # its row in `turns`
 class InProcessSettings:
     """One in-process run, as a user tunes it: the engine (`batches`: request-level `generate`
     over batches of `size` sources of similar length; `running`: `generate_running`, a running
-    batch of `size` slots), `replicas` (threads, each running its own batches, taking the work from
+    batch of `size` slots taking the sources in workload order, as the server takes requests;
+    `running-sorted`: the same taking them shortest first, as `batches` and CTranslate2's
+    `translate_batch` order a list they are given), `replicas` (threads, each running its own batches, taking the work from
     one shared queue as it goes) and `threads` (intra-op threads of the sessions they share)."""
 
     engine: str
@@ -146,11 +148,14 @@ def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InPr
                     outputs.update(zip(rows, generated, strict=True))
     else:
         joined: dict[int, float] = {}
+        order = list(range(len(sources)))
+        if settings.engine == "running-sorted":
+            order.sort(key=lambda i: len(sources[i]))
 
         def timed() -> Iterator[tuple[int, list[int]]]:
-            for i, source in enumerate(sources):
+            for i in order:
                 joined[i] = time.perf_counter()
-                yield i, source
+                yield i, sources[i]
 
         feed = _Shared(timed())
 
@@ -172,7 +177,7 @@ def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InPr
 def run_grid(model_dir: Path, sources: list[list[int]], grid: Sequence[InProcessSettings],
              max_new_tokens: int | None = None, variant: str | None = None,
              providers: Sequence[str] = (CPU,)) -> dict[str, Any]:
-    """Every point of `grid` (one runtime loaded per thread count; `running` points only for a
+    """Every point of `grid` (one runtime loaded per thread count; running-batch points only for a
     model with a step graph): `points` (settings and stats each) and `best` (the highest
     sentences/s)."""
     points: list[dict[str, Any]] = []

@@ -62,6 +62,29 @@ def test_every_setting_gives_each_sentence_its_own_output(tiny_runtime, engine: 
     assert stats.latency_p95_s is not None and stats.latency_p95_s <= stats.elapsed_s + 1e-4
 
 
+@pytest.mark.parametrize(("engine", "sorted_feed"), [("running", False), ("running-sorted", True)])
+def test_a_running_batch_takes_sources_in_workload_order_or_shortest_first(
+        tiny_runtime, monkeypatch: pytest.MonkeyPatch, engine: str, sorted_feed: bool) -> None:
+    from bench import in_process
+
+    taken: list[int] = []
+    real = in_process.generate_running
+
+    def recording(runtime, feed, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def read():  # type: ignore[no-untyped-def]
+            for owner, source in feed:
+                taken.append(owner)
+                yield owner, source
+        return real(runtime, read(), *args, **kwargs)
+
+    monkeypatch.setattr(in_process, "generate_running", recording)
+    lengths = [6, 2, 9, 4, 2, 7]
+    sources = [[5] * (n - 1) + [tiny_runtime.eos_id] for n in lengths]
+    run_settings(tiny_runtime, sources, InProcessSettings(engine, 2))
+    expected = sorted(range(len(sources)), key=lambda i: lengths[i]) if sorted_feed else list(range(len(sources)))
+    assert taken == expected
+
+
 def test_run_grid_reports_every_point_and_the_best(tiny_model_repository) -> None:
     sources = [[5, 6, 7, 3], [8, 9, 3], [4, 4, 4, 4, 4, 3]]
     grid = settings_grid((2,), cores=2)
