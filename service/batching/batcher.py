@@ -1,7 +1,8 @@
 """Dynamic batching for one model: admission, batch formation and the worker thread.
 
 Requests are admitted row by row (one row per text) into the bounded `AdmissionQueue`, or
-refused whole. A loop on the event loop takes the oldest row and forms its batch by the rules of
+refused whole; a request's rows enter in order of source length, shortest first (results keep
+the request's order), so the rows that join or batch together pad little. A loop on the event loop takes the oldest row and forms its batch by the rules of
 `service.batching.policy`: a request-level batch waits at most `max_wait_s` for rows of the same
 key, is sorted by source length and generated in the model's own single worker thread, so the
 event loop never blocks. If generation raises, every row of that batch fails with
@@ -65,6 +66,29 @@ class Generated(Protocol):
 # (sources ending with EOS, beam_size, max_new_tokens) -> one result per source, in order;
 # called with `hooks=[RowHooks, ...]` (one per source) by the batcher.
 GenerateFn = Callable[..., Sequence[Generated]]
+
+
+async def results(futures: list[asyncio.Future[Generated]],
+                  cancel: Callable[[asyncio.Future[Generated]], object]) -> list[Generated]:
+    """The results of one request's rows, in order. When the wait ends early (cancelled: the
+    deadline passed or the client left; or a row failed, whose error is raised) every row not
+    done is cancelled with `cancel`: it leaves the queue, or its batch at the next step."""
+    if not futures:
+        return []
+    try:
+        # `wait`, not `gather`: cancelling this wait leaves the rows' futures to `cancel`
+        await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+        for future in futures:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                future.result()  # the first failure, raised
+        return [future.result() for future in futures]
+    except BaseException:
+        for future in futures:
+            if not future.done():
+                cancel(future)
+            elif not future.cancelled():
+                future.exception()  # retrieved: no "never retrieved" warning
+        raise
 
 
 @dataclass
@@ -171,10 +195,10 @@ class Batcher:
         """The largest group rows join the running batch in (a quarter of `max_batch_size`)."""
         return self.limits.join_rows
 
-    def out_of_reach(self, budget_s: float) -> str | None:
-        """Why a one-row request with `budget_s` seconds would be refused now (`AdmissionQueue.
-        refusal`), or None."""
-        return self._queue.refusal(1, budget_s, self.running)
+    def out_of_reach(self, budget_s: float | None, rows: int = 1) -> str | None:
+        """Why a request of `rows` rows with `budget_s` seconds (None: no deadline) would be
+        refused now (`AdmissionQueue.refusal`), or None."""
+        return self._queue.refusal(rows, budget_s, self.running)
 
     @property
     def running(self) -> int:
@@ -214,23 +238,8 @@ class Batcher:
         `DeadlineExceeded` when a row was still queued at `deadline` (`perf_counter`),
         `InternalError` when the batch of any row failed.
         """
-        futures = self.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline)
-        if not futures:
-            return []
-        try:
-            # `wait`, not `gather`: cancelling this wait leaves the rows' futures to `cancel`
-            await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-            for future in futures:
-                if future.done() and not future.cancelled() and future.exception() is not None:
-                    future.result()  # the first failure, raised
-            return [future.result() for future in futures]
-        except BaseException:  # cancelled (deadline, disconnect) or a row failed
-            for future in futures:
-                if not future.done():
-                    self.cancel(future)  # leaves the queue, or the batch at the next step
-                elif not future.cancelled():
-                    future.exception()  # retrieved: no "never retrieved" warning
-            raise
+        return await results(self.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline),
+                             self.cancel)
 
     def enqueue(
         self,
@@ -251,15 +260,17 @@ class Batcher:
         given = list(hooks) if hooks is not None else [None] * len(sources)
         if len(given) != len(sources):
             raise ValueError(f"{len(given)} hooks for {len(sources)} sources")
-        rows = [
-            QueuedRow(list(source), key, loop.create_future(), hook or RowHooks(), deadline=deadline)
-            for source, hook in zip(sources, given, strict=True)
-        ]
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))  # shortest first
+        rows = [QueuedRow(list(sources[i]), key, loop.create_future(), given[i] or RowHooks(), deadline=deadline)
+                for i in order]
         self._queue.admit(rows)
         self._idle.clear()
         self._arrived.set()
         self._filling.set()
-        return [row.future for row in rows]
+        futures: list[asyncio.Future[Generated]] = [None] * len(rows)  # type: ignore[list-item]
+        for i, row in zip(order, rows, strict=True):
+            futures[i] = row.future
+        return futures
 
     def cancel(self, future: asyncio.Future[Generated]) -> str | None:
         """Cancel the row of `future`; returns where it was ("queued" or "decoding").

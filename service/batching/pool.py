@@ -7,14 +7,23 @@ cores, keep them busy instead (`bench/results/levers` compares the worker counts
 onnxruntime sessions may be run from several threads at once, so the batchers share the
 model's sessions.
 
-A request goes whole to one batcher with room in its queue. Among those whose work (queued rows
-plus running rows, a beam-search row once per beam: `Batcher.load`) is within `length_slack`
+A request of one row goes to one batcher with room in its queue. Among those whose work (queued
+rows plus running rows, a beam-search row once per beam: `Batcher.load`) is within `length_slack`
 rows of the least, it goes to the one whose rows' mean source length is closest to its own (an
 idle batcher counts as a match). The batchers thus settle into bands of source length, and as
 output length follows source length in translation and summarization, each running batch holds
 rows of similar lengths: less source padding, and a shorter self-attention cache (a running
 batch's cache is as long as its oldest row's output). With `length_slack` 0 the least loaded
-batcher takes it. `run` calls (attention maps) go to the least loaded. The batchers share one
+batcher takes it.
+
+A request of several rows (a text split into sentences, a list of texts) is dealt out, so that
+more than one core works on it: each batcher takes as many of its rows as brings the loads
+nearest to level (`_level_shares`), its rows in order of source length are cut into those
+shares by source tokens, and the shorter parts go to the batchers whose rows are shorter. When
+that leaves one part, or a part would be refused where it goes, the request goes whole to one
+batcher as a one-row request does (and is refused there if it does not fit).
+
+`run` calls (attention maps) go to the least loaded. The batchers share one
 admission share (`service.batching.admission.AdmissionShare`). `queue_depth` is published as
 the sum over the batchers, and the counters are summed (`max_batch_rows`: the largest).
 """
@@ -22,11 +31,14 @@ the sum over the batchers, and the counters are summed (`max_batch_rows`: the la
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from service.batching.batcher import BatchCounters, Batcher, Generated
+from service.batching.batcher import BatchCounters, Batcher, Generated, results
 from service.batching.policy import BatchLimits
 from service.generation.hooks import RowHooks
 from service.observability import metrics
@@ -117,23 +129,58 @@ class BatcherPool:
     def _pick_for(self, sources: list[list[int]]) -> Batcher:
         return self._pick(len(sources), sum(map(len, sources)) / len(sources) if sources else None)
 
+    def _parts(self, sources: list[list[int]], deadline: float | None) -> list[tuple[Batcher, list[int]]]:
+        """Which batcher takes which rows of one request (indices into `sources`; see the
+        module's docstring)."""
+        whole = [(self._pick_for(sources), list(range(len(sources))))]
+        if len(self.batchers) == 1 or len(sources) < 2:
+            return whole
+        shares = _level_shares([b.load for b in self.batchers], len(sources))
+        takers = sorted((b for b, share in zip(self.batchers, shares, strict=True) if share > 0), key=_mean_source_len)
+        bounds = list(itertools.accumulate(shares[self.batchers.index(b)] / len(sources) for b in takers))
+        total = sum(map(len, sources))
+        parts: list[list[int]] = [[] for _ in takers]
+        before = 0
+        for i in sorted(range(len(sources)), key=lambda i: len(sources[i])):
+            middle = (before + len(sources[i]) / 2) / total  # where the row's middle token falls
+            parts[min(bisect.bisect(bounds, middle), len(parts) - 1)].append(i)
+            before += len(sources[i])
+        dealt = [(b, part) for b, part in zip(takers, parts, strict=True) if part]
+        budget_s = None if deadline is None else deadline - time.perf_counter()
+        if len(dealt) < 2 or any(b.out_of_reach(budget_s, len(part)) for b, part in dealt):
+            return whole
+        return dealt
+
     async def submit(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                      deadline: float | None = None,
                      hooks: Sequence[RowHooks | None] | None = None) -> list[Generated]:
-        """`Batcher.submit` on the batcher chosen for `sources`."""
-        return await self._pick_for(sources).submit(sources, beam_size, max_new_tokens, deadline=deadline,
-                                                    hooks=hooks)
+        """`Batcher.submit` over the pool: the rows dealt out (`enqueue`), the results in order."""
+        return await results(self.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline),
+                             self.cancel)
 
     def enqueue(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                 hooks: Sequence[RowHooks | None] | None = None,
                 deadline: float | None = None) -> list[asyncio.Future[Generated]]:
-        """`Batcher.enqueue` on the batcher chosen for `sources`; `cancel` finds it again."""
-        batcher = self._pick_for(sources)
-        futures = batcher.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline)
-        for future in futures:
-            self._owners[future] = batcher
-            future.add_done_callback(self._forget)
-        return futures
+        """`Batcher.enqueue` of each part of the request on its batcher (`_parts`), one future
+        per row in the request's order; `cancel` finds each row's batcher again. All rows are
+        admitted or none."""
+        given = list(hooks) if hooks is not None else [None] * len(sources)
+        if len(given) != len(sources):
+            raise ValueError(f"{len(given)} hooks for {len(sources)} sources")
+        futures: dict[int, asyncio.Future[Generated]] = {}
+        try:
+            for batcher, part in self._parts(sources, deadline):
+                taken = batcher.enqueue([sources[i] for i in part], beam_size, max_new_tokens,
+                                        hooks=[given[i] for i in part], deadline=deadline)
+                for i, future in zip(part, taken, strict=True):
+                    futures[i] = future
+                    self._owners[future] = batcher
+                    future.add_done_callback(self._forget)
+        except BaseException:  # a later part refused after all: the parts admitted leave again
+            for future in futures.values():
+                self.cancel(future)
+            raise
+        return [futures[i] for i in range(len(sources))]
 
     def _forget(self, future: asyncio.Future[Any]) -> None:
         self._owners.pop(future, None)
@@ -159,3 +206,21 @@ class BatcherPool:
             held = self.cache_bytes
             self.max_cache_bytes = max(self.max_cache_bytes, held)
             metrics.BATCH_CACHE_BYTES.labels(self.model).set(held)
+
+
+def _mean_source_len(batcher: Batcher) -> float:
+    """The mean source length of the rows a batcher holds (0 when it holds none)."""
+    count, tokens = batcher.source_tokens()
+    return tokens / count if count else 0.0
+
+
+def _level_shares(loads: Sequence[int], rows: int) -> list[float]:
+    """How many of `rows` new rows each batcher of `loads` takes so that their loads end as
+    level as they can (water-filling: the least loaded fill up to the level the others stand at)."""
+    ordered = sorted(loads)
+    level = float(ordered[0] + rows)
+    for count in range(1, len(ordered) + 1):
+        level = (rows + sum(ordered[:count])) / count
+        if count == len(ordered) or level <= ordered[count]:
+            break
+    return [max(0.0, level - load) for load in loads]

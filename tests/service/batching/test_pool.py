@@ -10,7 +10,7 @@ import pytest
 
 from service.batching.batcher import Batcher
 from service.batching.policy import BatchLimits
-from service.batching.pool import BatcherPool
+from service.batching.pool import BatcherPool, _level_shares
 from service.core.errors import Overloaded
 from service.core.settings import CPU_PROVIDER, Settings, cpu_cores
 from service.generation.hooks import RowHooks
@@ -206,6 +206,45 @@ async def test_length_routing_keeps_similar_lengths_together_within_the_slack() 
         model.gate.set()
     await asyncio.gather(*futures)
     await pool.close(1)
+
+
+def test_level_shares_fill_the_least_loaded_up_to_the_others() -> None:
+    assert _level_shares([0, 0], 128) == [64.0, 64.0]
+    assert _level_shares([4, 0], 2) == [0.0, 2.0]  # the idle one alone stays below the busy one
+    assert _level_shares([1, 3, 0], 5) == [2.0, 0.0, 3.0]  # level 3
+    assert _level_shares([2, 2, 2], 3) == [1.0, 1.0, 1.0]
+
+
+async def test_a_request_of_many_rows_is_dealt_out_shorter_rows_to_one_longer_to_the_other() -> None:
+    model = FakeModel()
+    model.gate = threading.Event()
+    pool = make_pool(model, "pool-deal", max_wait_s=0.0, max_batch_size=8)
+    lengths = [9, 2, 8, 3, 10, 1]
+    submitted = asyncio.ensure_future(pool.submit([source(n) for n in lengths], 1, 20))
+    await asyncio.sleep(0.05)
+    # with EOS: 2, 3, 4, 9 | 10, 11: about half the 39 source tokens each, in two worker threads
+    assert sorted(sorted(batch) for batch in model.batches) == [[2, 3, 4, 9], [10, 11]]
+    assert len(model.threads) == 2 and pool.running == 6
+    model.gate.set()
+    assert await submitted == [reverse(source(n), 20) for n in lengths]  # in the request's order
+    await pool.close(1)
+
+
+async def test_the_rows_of_a_request_enter_a_batchers_queue_shortest_first() -> None:
+    model = FakeModel()
+    model.gate = threading.Event()
+    batcher = Batcher("one-queue", model.generate, BatchLimits(max_wait_s=0.0, max_batch_size=1))  # type: ignore[arg-type]
+    batcher.start()
+    held = asyncio.ensure_future(batcher.submit([source(1)], 1, 5))
+    await asyncio.sleep(0.05)
+    lengths = [5, 2, 7, 3]
+    submitted = asyncio.ensure_future(batcher.submit([source(n) for n in lengths], 1, 10))
+    await asyncio.sleep(0.02)
+    model.gate.set()
+    assert await submitted == [reverse(source(n), 10) for n in lengths]
+    await held
+    assert model.batches[1:] == [[3], [4], [6], [8]]  # one row per batch, in queue order
+    await batcher.close(1)
 
 
 async def test_the_batchers_of_a_model_share_one_admission_share() -> None:
