@@ -2,10 +2,10 @@
 
 Requests are admitted row by row (one row per text) into the bounded `AdmissionQueue`, or
 refused whole; a request's rows enter in order of source length, shortest first (results keep
-the request's order), so the rows that join or batch together pad little. A loop on the event loop takes the oldest row and forms its batch by the rules of
-`service.batching.policy`: a request-level batch waits at most `max_wait_s` for rows of the same
-key, is sorted by source length and generated in the model's own single worker thread, so the
-event loop never blocks. If generation raises, every row of that batch fails with
+the request's order), so the rows that join or batch together pad little. A loop on the event
+loop takes the oldest row and forms its batch by the rules of `service.batching.policy`: a
+request-level batch waits at most `max_wait_s` for rows of the same key, is sorted by source
+length and generated in the model's own single worker thread, so the event loop never blocks. If generation raises, every row of that batch fails with
 `InternalError` and the loop goes on. Other work on the model (attention maps) runs in the
 same worker thread between two steps of the running batch, through `run`.
 

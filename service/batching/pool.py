@@ -132,9 +132,8 @@ class BatcherPool:
     def _parts(self, sources: list[list[int]], deadline: float | None) -> list[tuple[Batcher, list[int]]]:
         """Which batcher takes which rows of one request (indices into `sources`; see the
         module's docstring)."""
-        whole = [(self._pick_for(sources), list(range(len(sources))))]
         if len(self.batchers) == 1 or len(sources) < 2:
-            return whole
+            return [(self._pick_for(sources), list(range(len(sources))))]
         shares = _level_shares([b.load for b in self.batchers], len(sources))
         takers = sorted((b for b, share in zip(self.batchers, shares, strict=True) if share > 0), key=_mean_source_len)
         bounds = list(itertools.accumulate(shares[self.batchers.index(b)] / len(sources) for b in takers))
@@ -148,7 +147,7 @@ class BatcherPool:
         dealt = [(b, part) for b, part in zip(takers, parts, strict=True) if part]
         budget_s = None if deadline is None else deadline - time.perf_counter()
         if len(dealt) < 2 or any(b.out_of_reach(budget_s, len(part)) for b, part in dealt):
-            return whole
+            return [(self._pick_for(sources), list(range(len(sources))))]
         return dealt
 
     async def submit(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
