@@ -16,12 +16,14 @@ rows of similar lengths: less source padding, and a shorter self-attention cache
 batch's cache is as long as its oldest row's output). With `length_slack` 0 the least loaded
 batcher takes it.
 
-A request of several rows (a text split into sentences, a list of texts) is dealt out, so that
-more than one core works on it: each batcher takes as many of its rows as brings the loads
-nearest to level (`_level_shares`), its rows in order of source length are cut into those
-shares by source tokens, and the shorter parts go to the batchers whose rows are shorter. When
-that leaves one part, or a part would be refused where it goes, the request goes whole to one
-batcher as a one-row request does (and is refused there if it does not fit).
+A request of several rows (a text split into sentences, a list of texts) that finds two or more
+batchers idle (nothing queued or running) is dealt out over them, so that every core works on
+it: its rows in order of source length, cut into parts of about equal source tokens, one per
+idle batcher. Otherwise it goes whole to one batcher as a one-row request does: a batcher
+shared with a large request's rows joins newcomers into a large batch (larger groups, longer
+steps), so the small requests beside a large one keep a batcher of their own. When a part
+would be refused where it goes, the request goes whole to one batcher too (and is refused
+there if it does not fit).
 
 `run` calls (attention maps) go to the least loaded. The batchers share one
 admission share (`service.batching.admission.AdmissionShare`). `queue_depth` is published as
@@ -31,8 +33,6 @@ the sum over the batchers, and the counters are summed (`max_batch_rows`: the la
 from __future__ import annotations
 
 import asyncio
-import bisect
-import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -132,19 +132,18 @@ class BatcherPool:
     def _parts(self, sources: list[list[int]], deadline: float | None) -> list[tuple[Batcher, list[int]]]:
         """Which batcher takes which rows of one request (indices into `sources`; see the
         module's docstring)."""
-        if len(self.batchers) == 1 or len(sources) < 2:
+        idle = [b for b in self.batchers if not b.load] if len(sources) > 1 else []
+        if len(idle) < 2:
             return [(self._pick_for(sources), list(range(len(sources))))]
-        shares = _level_shares([b.load for b in self.batchers], len(sources))
-        takers = sorted((b for b, share in zip(self.batchers, shares, strict=True) if share > 0), key=_mean_source_len)
-        bounds = list(itertools.accumulate(shares[self.batchers.index(b)] / len(sources) for b in takers))
+        count = min(len(idle), len(sources))
         total = sum(map(len, sources))
-        parts: list[list[int]] = [[] for _ in takers]
+        parts: list[list[int]] = [[] for _ in range(count)]
         before = 0
         for i in sorted(range(len(sources)), key=lambda i: len(sources[i])):
-            middle = (before + len(sources[i]) / 2) / total  # where the row's middle token falls
-            parts[min(bisect.bisect(bounds, middle), len(parts) - 1)].append(i)
+            # each row to the part its middle token falls in: parts of about equal source tokens
+            parts[min(count - 1, int(count * (before + len(sources[i]) / 2) / total))].append(i)
             before += len(sources[i])
-        dealt = [(b, part) for b, part in zip(takers, parts, strict=True) if part]
+        dealt = [(b, part) for b, part in zip(idle, parts, strict=False) if part]
         budget_s = None if deadline is None else deadline - time.perf_counter()
         if len(dealt) < 2 or any(b.out_of_reach(budget_s, len(part)) for b, part in dealt):
             return [(self._pick_for(sources), list(range(len(sources))))]
@@ -206,20 +205,3 @@ class BatcherPool:
             self.max_cache_bytes = max(self.max_cache_bytes, held)
             metrics.BATCH_CACHE_BYTES.labels(self.model).set(held)
 
-
-def _mean_source_len(batcher: Batcher) -> float:
-    """The mean source length of the rows a batcher holds (0 when it holds none)."""
-    count, tokens = batcher.source_tokens()
-    return tokens / count if count else 0.0
-
-
-def _level_shares(loads: Sequence[int], rows: int) -> list[float]:
-    """How many of `rows` new rows each batcher of `loads` takes so that their loads end as
-    level as they can (water-filling: the least loaded fill up to the level the others stand at)."""
-    ordered = sorted(loads)
-    level = float(ordered[0] + rows)
-    for count in range(1, len(ordered) + 1):
-        level = (rows + sum(ordered[:count])) / count
-        if count == len(ordered) or level <= ordered[count]:
-            break
-    return [max(0.0, level - load) for load in loads]

@@ -10,7 +10,7 @@ import pytest
 
 from service.batching.batcher import Batcher
 from service.batching.policy import BatchLimits
-from service.batching.pool import BatcherPool, _level_shares
+from service.batching.pool import BatcherPool
 from service.core.errors import Overloaded
 from service.core.settings import CPU_PROVIDER, Settings, cpu_cores
 from service.generation.hooks import RowHooks
@@ -208,14 +208,7 @@ async def test_length_routing_keeps_similar_lengths_together_within_the_slack() 
     await pool.close(1)
 
 
-def test_level_shares_fill_the_least_loaded_up_to_the_others() -> None:
-    assert _level_shares([0, 0], 128) == [64.0, 64.0]
-    assert _level_shares([4, 0], 2) == [0.0, 2.0]  # the idle one alone stays below the busy one
-    assert _level_shares([1, 3, 0], 5) == [2.0, 0.0, 3.0]  # level 3
-    assert _level_shares([2, 2, 2], 3) == [1.0, 1.0, 1.0]
-
-
-async def test_a_request_of_many_rows_is_dealt_out_shorter_rows_to_one_longer_to_the_other() -> None:
+async def test_a_request_of_many_rows_is_dealt_out_over_idle_batchers_by_source_tokens() -> None:
     model = FakeModel()
     model.gate = threading.Event()
     pool = make_pool(model, "pool-deal", max_wait_s=0.0, max_batch_size=8)
@@ -227,6 +220,16 @@ async def test_a_request_of_many_rows_is_dealt_out_shorter_rows_to_one_longer_to
     assert len(model.threads) == 2 and pool.running == 6
     model.gate.set()
     assert await submitted == [reverse(source(n), 20) for n in lengths]  # in the request's order
+    await pool.close(1)
+
+
+async def test_a_request_of_many_rows_goes_whole_to_one_batcher_unless_two_are_idle() -> None:
+    model, pool, running = await held_pool("pool-busy")  # a row running in each batcher
+    futures = pool.enqueue([source(n) for n in (2, 5, 3)], 1, 5)
+    assert sorted(b.depth for b in pool.batchers) == [0, 3]  # whole: the small requests keep the other
+    model.gate.set()
+    assert [r.tokens for r in await asyncio.gather(*futures)] == [reverse(source(n), 5).tokens for n in (2, 5, 3)]
+    await asyncio.gather(*running)
     await pool.close(1)
 
 
