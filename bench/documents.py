@@ -71,6 +71,7 @@ def beside_singles(url: str, bodies: list[dict[str, Any]], singles: list[str], c
     latency of the large requests that ended while the singles ran."""
     stop = threading.Event()
     latencies: list[float] = []
+    failures: list[str] = []
 
     def large() -> None:
         with httpx.Client(timeout=300) as client:
@@ -79,7 +80,8 @@ def beside_singles(url: str, bodies: list[dict[str, Any]], singles: list[str], c
                 started = time.perf_counter()
                 response = client.post(url, json=bodies[index % len(bodies)])
                 if response.status_code != 200:
-                    raise RuntimeError(f"{url}: {response.status_code} {response.text[:200]}")
+                    failures.append(f"{response.status_code} {response.text[:200]}")
+                    return
                 if not stop.is_set():
                     latencies.append(time.perf_counter() - started)
                 index += 1
@@ -91,6 +93,8 @@ def beside_singles(url: str, bodies: list[dict[str, Any]], singles: list[str], c
     finally:
         stop.set()
         sender.join()
+    if failures:
+        raise RuntimeError(f"{url}: a large request failed: {failures[0]}")
     stats = result.stats()
     return {"singles_p50_s": stats.latency_p50_s, "singles_p95_s": stats.latency_p95_s,
             "singles_errors": result.errors, "large_requests": len(latencies),

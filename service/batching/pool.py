@@ -204,4 +204,3 @@ class BatcherPool:
             held = self.cache_bytes
             self.max_cache_bytes = max(self.max_cache_bytes, held)
             metrics.BATCH_CACHE_BYTES.labels(self.model).set(held)
-
