@@ -283,12 +283,16 @@ class ErrorBody(BaseModel):
 
 
 class BatchCounters(BaseModel):
-    """What a model's batchers have run since start, together."""
+    """What a model's batchers have run since start, together (in the process that answers)."""
 
     continuous: bool = Field(
         default=False, description="greedy rows join the running batch between decoder steps"
     )
     workers: int = Field(default=0, description="batch workers: each runs its own batches")
+    processes: int = Field(
+        default=1, description="server processes (`--workers`), each with its own batch workers: with "
+        "more than one, the counters are those of the process that answered (`/metrics` adds them up)",
+    )
     shortlist_rows: int = Field(
         default=0, description="continuous: steps of at most this many rows compute only the "
         "logits of the batch's vocabulary shortlist (0: every step computes the whole vocabulary)",

@@ -19,11 +19,11 @@ router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key_for_me
 @router.get("/v1/models", responses={401: {"model": ErrorBody}})
 async def list_models(registry: RegistryDep, settings: SettingsDep) -> ModelList:
     """The models found in the models folder, loaded or not."""
-    return ModelList(models=[_card(entry, settings.shortlist_rows, settings.gpu_memory_limit_mb)
+    return ModelList(models=[_card(entry, settings.shortlist_rows, settings.gpu_memory_limit_mb, settings.workers)
                              for entry in registry.entries])
 
 
-def _card(entry: ModelEntry, shortlist_rows: int, gpu_memory_limit_mb: int) -> ModelCard:
+def _card(entry: ModelEntry, shortlist_rows: int, gpu_memory_limit_mb: int, processes: int) -> ModelCard:
     runtime, batcher = entry.runtime, entry.batcher
     counters = batcher.counters if batcher is not None else None
     continuous = batcher.continuous if batcher is not None else False
@@ -44,6 +44,7 @@ def _card(entry: ModelEntry, shortlist_rows: int, gpu_memory_limit_mb: int) -> M
             continuous=continuous,
             shortlist_rows=shortlist_rows if shortlisted else 0,
             workers=len(batcher.batchers) if batcher is not None else 0,
+            processes=processes,
             batches=counters.batches if counters else 0,
             rows=counters.rows if counters else 0,
             max_batch_rows=counters.max_batch_rows if counters else 0,

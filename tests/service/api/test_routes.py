@@ -73,6 +73,7 @@ async def test_models_health_and_metrics(make_app: AppFactory) -> None:
     assert cards["translate-en-it"]["provider"] == "CPUExecutionProvider"
     assert cards["translate-en-it"]["task"] == "translate"
     assert cards["translate-en-it"]["batching"]["rows"] >= 1
+    assert cards["translate-en-it"]["batching"]["processes"] == 1
     assert ('attnserve_requests_total{model="translate-en-it",route="/v1/translate",'
             'status="2xx"}') in exposition
     assert 'route="unmatched"' in exposition

@@ -115,6 +115,8 @@ def test_the_workers_metrics_add_up_and_a_dead_workers_gauges_leave(
             for _ in range(12):  # a new connection each: either worker may take it
                 assert httpx.post(f"http://127.0.0.1:{port}/v1/translate", json=BODY, timeout=30).status_code == 200
             assert [_translations_counted(port) for _ in range(6)] == [12.0] * 6  # whichever worker answers
+            card = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["models"][0]
+            assert card["batching"]["processes"] == 2  # its counters are that worker's own
             victim = min(workers)
             os.kill(victim, signal.SIGKILL)
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
