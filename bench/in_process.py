@@ -200,13 +200,16 @@ def parse_settings(text: str) -> InProcessSettings:
 
 
 def turns(model_dir: Path, sources: list[list[int]], points: Sequence[InProcessSettings],
-          count: int, ctranslate2: Callable[[], RunStats] | None = None) -> dict[str, Any]:
-    """`points` (and CTranslate2's `run`, when given) in `count` alternating turns (A B C, C B A,
+          count: int, ctranslate2: Callable[[], RunStats] | None = None,
+          against: Path | None = None) -> dict[str, Any]:
+    """`points` (and CTranslate2's `run`, when given; the same points on the repository
+    `against`, when given, named `<point> against`) in `count` alternating turns (A B C, C B A,
     ...) on one machine state: each one's sentences/s per turn, and per turn the best point's
-    throughput over CTranslate2's."""
-    runtimes = {threads: load_runtime(model_dir, threads) for threads in dict.fromkeys(p.threads for p in points)}
-    runs: dict[str, Callable[[], RunStats]] = {
-        _name(p): functools.partial(_stats, runtimes[p.threads], sources, p) for p in points}
+    throughput (of `model_dir`) over CTranslate2's."""
+    runs: dict[str, Callable[[], RunStats]] = {}
+    for directory, suffix in ((model_dir, ""), *(((against, " against"),) if against is not None else ())):
+        runtimes = {threads: load_runtime(directory, threads) for threads in dict.fromkeys(p.threads for p in points)}
+        runs.update({_name(p) + suffix: functools.partial(_stats, runtimes[p.threads], sources, p) for p in points})
     if ctranslate2 is not None:
         runs[CTRANSLATE2] = ctranslate2
     rates: dict[str, list[float]] = {name: [] for name in runs}
@@ -258,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ctranslate2-setting", nargs=4, metavar=("REPLICAS", "THREADS", "BATCH", "TYPE"),
                         help="also CTranslate2 int8 translate_batch at this setting (e.g. 2 1 32 examples)")
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--against", type=Path,
+                        help="another repository of the model (e.g. an older commit's) whose points run in the same turns")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
@@ -280,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             setting = ctranslate2_runs.Ct2Settings(int(replicas), int(threads), int(batch), batch_type)
             pieces = [tokenizer.pieces(ids) for ids in work.source_ids]
             reference = ctranslate2_runs.int8_greedy(args.model, Path(scratch), pieces, manifest.max_target_len, setting)
-        result = turns(args.model, work.source_ids, points, args.turns, reference)
+        result = turns(args.model, work.source_ids, points, args.turns, reference, args.against)
     result["command"] = shlex.join(["python", "-m", "bench.in_process", *(sys.argv[1:] if argv is None else argv)])
     result["machine"] = machine.describe()
     result["split"] = args.split

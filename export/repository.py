@@ -25,6 +25,7 @@ from export.step_graph import (
     STEP_DECODER_FILE,
     export_step_graph,
     random_step_inputs,
+    select_before_projection,
     share_input_shapes,
 )
 from export.storage import WEIGHTS_FILE as GRAPH_WEIGHTS_FILE
@@ -356,7 +357,7 @@ def restored_on_failure(directory: Path, names: Iterable[str]) -> Iterator[None]
 
 def update_step_graphs(directory: str | Path) -> list[str]:
     """Give the step graphs of the repository `directory` (`step_graph_files`) this exporter's
-    graph passes (`share_input_shapes`), in place: only the graphs' nodes change, their weights
+    graph passes (`share_input_shapes`, `select_before_projection`), in place: only the graphs' nodes change, their weights
     stay where they are. Each changed graph must give the old one's outputs exactly on random
     inputs (`_same_outputs`); the manifest then lists the new sha256s. Returns the files
     changed (none when they have the passes already); on any failure the repository is left
@@ -370,7 +371,7 @@ def update_step_graphs(directory: str | Path) -> list[str]:
         for name in files:
             path = directory / name
             graph = onnx.load_model(str(path), load_external_data=False)
-            if not share_input_shapes(graph):
+            if not share_input_shapes(graph) + select_before_projection(graph):
                 continue
             originals[name] = path.read_bytes()
             onnx.save_model(graph, str(path))

@@ -250,6 +250,76 @@ def share_input_shapes(graph: onnx.ModelProto) -> int:
     return rewired
 
 
+def select_before_projection(graph: onnx.ModelProto) -> int:
+    """Take each row's one position before the output projection instead of after it (in
+    place); returns 1 if the graph changed, 0 if it has the pass already or another shape.
+
+    The step graph decodes one position per row, and `logits` is the projection's (B, 1, V)
+    output with axis 1 gathered at 0: a copy of the whole (B, V) logits at every step. The
+    same `Gather` on the decoder norm's (B, 1, D) output moves D values a row instead of V,
+    and the projection writes `logits` itself. Every node between the norm and `logits` works
+    on each row alone (the int8 projection's activation scale is taken over the same values
+    either way), so the outputs stay the same; `update_step_graphs` checks that they do. A
+    float16 graph (its logits cast to float after the `Gather`) is left as it is: its
+    half-precision product rounds differently at the other shape, and on a GPU the copy is
+    cheap."""
+    nodes = graph.graph.node
+    producers = {name: node for node in nodes for name in node.output}
+    select = producers.get("logits")
+    if select is None or select.op_type != "Gather" or _axis(select) != 1:
+        return 0
+    chain: list[onnx.NodeProto] = []
+    norms: list[onnx.NodeProto] = []
+    frontier, seen = [select.input[0]], set()
+    while frontier:
+        name = frontier.pop()
+        node = producers.get(name)
+        if node is None or name in seen:
+            continue
+        seen.add(name)
+        if node.op_type == "LayerNormalization":
+            norms.append(node)
+            continue
+        chain.append(node)
+        frontier.extend(node.input)
+    if len({id(n) for n in norms}) != 1:
+        return 0
+    norm = norms[0]
+    normed = norm.output[0]
+    chain_ids = {id(node) for node in chain}
+    if any(normed in node.input for node in nodes if id(node) not in chain_ids and node is not select):
+        return 0  # the norm's output feeds something else too
+    last = f"{normed}_last_position"
+    for node in chain:
+        for i, name in enumerate(node.input):
+            if name == normed:
+                node.input[i] = last
+    projected = select.input[0]
+    for node in nodes:
+        for i, name in enumerate(node.output):
+            if name == projected:
+                node.output[i] = select.output[0]
+    gather = onnx.helper.make_node("Gather", [normed, select.input[1]], [last], name=f"{norm.name}_last_position",
+                                   axis=1)
+    reshaped = {last}  # the values computed from the selected position lose their axis 1
+    while any(reshaped.intersection(node.input) and not reshaped.issuperset(node.output) for node in chain):
+        for node in chain:
+            if reshaped.intersection(node.input):
+                reshaped.update(node.output)
+    stale = (reshaped - {last}) | {projected}  # their shapes, if the graph lists them, are stale
+    kept = [v for v in graph.graph.value_info if v.name not in stale]
+    del graph.graph.value_info[:]
+    graph.graph.value_info.extend(kept)
+    nodes.remove(select)
+    nodes.insert(list(nodes).index(norm) + 1, gather)
+    return 1
+
+
+def _axis(node: onnx.NodeProto) -> int:
+    """A node's `axis` attribute (0 when absent, as `Gather` defaults)."""
+    return next((a.i for a in node.attribute if a.name == "axis"), 0)
+
+
 def random_step_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str, Any]:
     """Random inputs for a step graph's onnxruntime `session`: 3 rows, 8 cache columns, sources
     of at most 5 (a prefix of each row's mask), positions within the cache, ids below
@@ -278,7 +348,8 @@ def random_step_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str
 
 @torch.no_grad()
 def export_step_graph(model: Transformer) -> onnx.ModelProto:
-    """The fp32 step graph in memory (per-layer shape reads shared: `share_input_shapes`)."""
+    """The fp32 step graph in memory, with the graph passes (`share_input_shapes`,
+    `select_before_projection`)."""
     from export.onnx_export import export_graph
 
     layers = model.config.n_decoder_layers
@@ -288,4 +359,5 @@ def export_step_graph(model: Transformer) -> onnx.ModelProto:
                          graph_io.step_outputs(layers), ({0: auto}, {0: auto}, {0: auto, 1: auto}, kv, kv),
                          "decoder_step", translations=TRANSLATIONS)
     share_input_shapes(graph)
+    select_before_projection(graph)
     return graph

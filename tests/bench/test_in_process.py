@@ -114,3 +114,20 @@ def test_turns_alternate_and_give_the_best_point_over_ctranslate2(tiny_model_rep
     ours = [max(result["sentences_per_s"][p][t] for p in ("running:2:1:1", "batches:2:1:1")) for t in range(2)]
     assert result["ratio_per_turn"] == [round(ours[0] / 100, 3), round(ours[1] / 50, 3)]
     assert "**" in markdown({**result, "command": "x"})
+
+
+def test_turns_run_the_points_on_another_repository_in_the_same_turns(tiny_model_repository) -> None:
+    """`against`: the same points on a second repository, in each turn beside the first's; the
+    ratio over CTranslate2 takes the first repository's best point only."""
+    sources = [[5, 6, 7, 3], [8, 9, 3]]
+    points = [InProcessSettings("running", 2, 1, 1)]
+    rates = iter([1e9, 1e9])  # a CTranslate2 faster than any point
+
+    def reference() -> RunStats:
+        return summarise([0.1], 1, 2 / next(rates), sentences=2)
+
+    result = turns(tiny_model_repository, sources, points, 2, reference, against=tiny_model_repository)
+    assert list(result["sentences_per_s"]) == ["running:2:1:1", "running:2:1:1 against", "CTranslate2"]
+    assert all(len(values) == 2 and min(values) > 0 for values in result["sentences_per_s"].values())
+    ours = result["sentences_per_s"]["running:2:1:1"]
+    assert result["ratio_per_turn"] == [round(o / 1e9, 3) for o in ours]

@@ -1,5 +1,6 @@
-"""Per-layer shape reads of the step graph shared (`share_input_shapes`), and `attnserve
-update-step-graphs`, which gives a repository's step graphs that pass in place."""
+"""The step graph's passes (`share_input_shapes`: per-layer shape reads shared;
+`select_before_projection`: each row's position taken before the output projection), and
+`attnserve update-step-graphs`, which gives a repository's step graphs those passes in place."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from export.repository import step_graph_files, update_step_graphs
-from export.step_graph import random_step_inputs, share_input_shapes
+from export.step_graph import random_step_inputs, select_before_projection, share_input_shapes
 from service.repository.manifest import read_manifest, verify_files, write_manifest
 from service.runtime import CPU, ModelRuntime
 
@@ -35,6 +36,29 @@ def _unshared(graph: onnx.ModelProto) -> int:
                 node.input[0] = f"{kind}.{layer}"
                 rewired += 1
     return rewired
+
+
+def _selected_after(graph: onnx.ModelProto) -> int:
+    """Undo `select_before_projection`: the projection runs on the norm's (B, 1, D) output and a
+    `Gather` after it takes `logits`, as the exporter wrote them; returns 1 if undone."""
+    nodes = graph.graph.node
+    select = next((node for node in nodes if node.name.endswith("_last_position")), None)
+    if select is None:
+        return 0
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            if name == select.output[0]:
+                node.input[i] = select.input[0]
+        for i, name in enumerate(node.output):
+            if name == "logits":
+                node.output[i] = "projected"
+    nodes.remove(select)
+    nodes.append(onnx.helper.make_node("Gather", ["projected", select.input[1]], ["logits"], name="select", axis=1))
+    return 1
+
+
+def _logits_producer(graph: onnx.ModelProto) -> str:
+    return next(node.op_type for node in graph.graph.node if "logits" in node.output)
 
 
 def _layer_shape_reads(graph: onnx.ModelProto) -> set[str]:
@@ -75,14 +99,40 @@ def test_every_layer_reads_its_cache_shapes_from_one_input(trained_tiny, tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
+def test_each_row_is_selected_before_the_output_projection(trained_tiny, tmp_path: Path) -> None:
+    """The exported step graph's projection writes `logits` itself, from each row's one
+    position: the (B, V) logits are not copied out of a (B, 1, V) product. The pass turns a
+    graph that selects after the projection into the exported one, with exactly its outputs."""
+    from export.step_graph import export_step_graph
+
+    model = trained_tiny.load().eval()
+    selected = export_step_graph(model)
+    assert _logits_producer(selected) == "MatMul"
+    after = onnx.ModelProto()
+    after.CopyFrom(selected)
+    assert _selected_after(after) == 1
+    assert _logits_producer(after) == "Gather"
+    assert select_before_projection(selected) == 0  # the export has the pass already
+    again = onnx.ModelProto()
+    again.CopyFrom(after)
+    assert select_before_projection(again) == 1
+    assert again.SerializeToString() == selected.SerializeToString()
+    sessions = [ort.InferenceSession(g.SerializeToString(), providers=[CPU]) for g in (selected, after)]
+    feed = random_step_inputs(sessions[0], model.config.vocab_size)
+    for a, b in zip(*(s.run(None, feed) for s in sessions), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _per_layer_copy(repository: Path, tmp_path: Path) -> Path:
     """A copy of `repository` whose step graphs read each layer's shapes from its own inputs
-    (as a repository exported before the pass), its manifest's hashes rewritten."""
+    and select each row's position after the output projection (as a repository exported
+    before the passes), its manifest's hashes rewritten."""
     copy = tmp_path / repository.name
     shutil.copytree(repository, copy)
     for name in step_graph_files(read_manifest(copy)):
         graph = onnx.load_model(str(copy / name), load_external_data=False)
         assert _unshared(graph) > 0
+        assert _selected_after(graph) == 1
         onnx.save_model(graph, str(copy / name))
     write_manifest(copy, read_manifest(copy))
     return copy
