@@ -44,18 +44,24 @@ def profile(model_dir: Path, batch: int, past: int, source_len: int, steps: int,
     return {"variant": runtime.variant, **op_times(events, steps)}
 
 
-def op_times(events: list[dict[str, Any]], calls: int) -> dict[str, Any]:
+def op_times(events: list[dict[str, Any]], calls: int, top_nodes: int = 12) -> dict[str, Any]:
     """From one session's onnxruntime profile: per operator type, mean milliseconds per call
     (`calls` of the session) and share of the operators' time; `step_ms`, their sum per call;
     `nodes_per_step`, the kernels run per call on each execution provider, and
-    `memcpy_per_step`, the host <-> device copies (Memcpy nodes) among them."""
+    `memcpy_per_step`, the host <-> device copies (Memcpy nodes) among them; `nodes`, the
+    `top_nodes` single nodes that took longest, with their operator type."""
     per_op: Counter[str] = Counter()
+    per_node: Counter[str] = Counter()
+    node_op: dict[str, str] = {}
     per_provider: Counter[str] = Counter()
     copies = 0
     for event in events:
         if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
             args = event["args"]
             per_op[args["op_name"]] += event["dur"]
+            node = event["name"].removesuffix("_kernel_time")
+            per_node[node] += event["dur"]
+            node_op[node] = args["op_name"]
             per_provider[args.get("provider", "?")] += 1
             copies += "Memcpy" in args["op_name"]
     total = sum(per_op.values()) or 1
@@ -66,6 +72,8 @@ def op_times(events: list[dict[str, Any]], calls: int) -> dict[str, Any]:
         "memcpy_per_step": round(copies / calls, 2),
         "ops": {op: {"ms_per_step": round(us / calls / 1000, 3), "share": round(us / total, 3)}
                 for op, us in per_op.most_common()},
+        "nodes": {node: {"op": node_op[node], "ms_per_step": round(us / calls / 1000, 3), "share": round(us / total, 3)}
+                  for node, us in per_node.most_common(top_nodes)},
     }
 
 

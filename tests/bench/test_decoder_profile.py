@@ -16,3 +16,8 @@ def test_profile_lists_the_decoder_operators(tiny_model_repository: Path, tmp_pa
     assert result["variant"] == "fp32" and result["step_ms"] > 0
     assert "MatMul" in result["ops"] or "FusedMatMul" in result["ops"]
     assert abs(sum(op["share"] for op in result["ops"].values()) - 1) < 0.01
+    nodes = list(result["nodes"].values())
+    assert nodes and all(node["op"] in result["ops"] for node in nodes)
+    assert [node["ms_per_step"] for node in nodes] == sorted((node["ms_per_step"] for node in nodes), reverse=True)
+    # no node takes longer than all the nodes of its operator type together
+    assert all(node["ms_per_step"] <= result["ops"][node["op"]]["ms_per_step"] for node in nodes)
