@@ -263,7 +263,8 @@ def _register_update_step_graphs(subcommands: argparse._SubParsersAction) -> Non
         "update-step-graphs", help="give a model repository's step graphs this exporter's graph passes",
         description="Rewrite the step graphs a repository ships (each variant's decoder_step and its "
         "shortlist's) with the graph passes a new export applies (every layer reads its cache's shape from "
-        "one input, so onnxruntime computes the per-layer index arithmetic once per step); check that each "
+        "one input, so onnxruntime computes the per-layer index arithmetic once per step; each row's position "
+        "is taken before the output projection, so no copy of the logits follows it); check that each "
         "gives the old graph's outputs exactly and record the new sha256s. Weights and every other file stay "
         "as they are; on failure the repository is left unchanged.",
     )
