@@ -357,11 +357,11 @@ def restored_on_failure(directory: Path, names: Iterable[str]) -> Iterator[None]
 
 def update_step_graphs(directory: str | Path) -> list[str]:
     """Give the step graphs of the repository `directory` (`step_graph_files`) this exporter's
-    graph passes (`share_input_shapes`, `select_before_projection`), in place: only the graphs' nodes change, their weights
-    stay where they are. Each changed graph must give the old one's outputs exactly on random
-    inputs (`_same_outputs`); the manifest then lists the new sha256s. Returns the files
-    changed (none when they have the passes already); on any failure the repository is left
-    as it was."""
+    graph passes (`share_input_shapes`, `select_before_projection`), in place: only the graphs'
+    nodes change, their weights stay where they are. Each changed graph must give the old one's
+    outputs exactly on random inputs (`_same_outputs`); the manifest then lists the new
+    sha256s. Returns the files changed (none when they have the passes already); on any failure
+    the repository is left as it was."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     verify_files(directory, manifest)

@@ -99,11 +99,13 @@ def test_every_layer_reads_its_cache_shapes_from_one_input(trained_tiny, tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
-def test_each_row_is_selected_before_the_output_projection(trained_tiny, tmp_path: Path) -> None:
+def test_each_row_is_selected_before_the_output_projection(trained_tiny) -> None:
     """The exported step graph's projection writes `logits` itself, from each row's one
     position: the (B, V) logits are not copied out of a (B, 1, V) product. The pass turns a
-    graph that selects after the projection into the exported one, with exactly its outputs."""
+    graph that selects after the projection into the exported one, with exactly its outputs,
+    and leaves a float16 graph (its logits cast to float after the selection) as it is."""
     from export.step_graph import export_step_graph
+    from export.variants import to_fp16
 
     model = trained_tiny.load().eval()
     selected = export_step_graph(model)
@@ -121,6 +123,10 @@ def test_each_row_is_selected_before_the_output_projection(trained_tiny, tmp_pat
     feed = random_step_inputs(sessions[0], model.config.vocab_size)
     for a, b in zip(*(s.run(None, feed) for s in sessions), strict=True):
         np.testing.assert_array_equal(a, b)
+    half = to_fp16(after)
+    unchanged = half.SerializeToString()
+    assert select_before_projection(half) == 0
+    assert half.SerializeToString() == unchanged
 
 
 def _per_layer_copy(repository: Path, tmp_path: Path) -> Path:
