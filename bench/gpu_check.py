@@ -7,12 +7,13 @@
    `--concurrency` (its p50 at concurrency 1, over the first 128 sentences, is the single-request
    latency), and at the top one
    with each other `--service-batch-sizes` as its rows per batch (on CUDA also in the other
-   batching modes of `SERVICE_MODES`); the service's
+   batching modes of `SERVICE_MODES`, and as `--service-processes` server processes); the service's
    graphs in-process at each `--batch-sizes` and one sentence at a time (the first 128); and the alternatives that run on the same GPU
    without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
    the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
    the repository's PyTorch model with its KV cache, batched, in fp16 autocast. The target line
-   compares the service at its top concurrency with the fastest of them. GPU memory in use is
+   compares the service's best setting at its top concurrency (rows per batch, server processes;
+   continuous batching, the default mode) with the fastest of them. GPU memory in use is
    read from `nvidia-smi` after each part.
 4. Writes `<out>/<gpu name>/gpu-check.json` and `gpu-check.md`: every number, the device, the
    driver, onnxruntime's version and the provider each part actually ran on.
@@ -210,9 +211,12 @@ def step_graph_alone(runtime: ModelRuntime, model_dir: Path, sources: list[list[
 
 
 def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences: int, concurrency: list[int],
-            batch_sizes: list[int], out: Path, service_batch_sizes: tuple[int, ...] = (64,)) -> dict[str, Any]:
+            batch_sizes: list[int], out: Path, service_batch_sizes: tuple[int, ...] = (64,),
+            service_processes: tuple[int, ...] = ()) -> dict[str, Any]:
     """Steps 3 of the module docstring for one model; the service with each of
-    `service_batch_sizes` as its rows per batch (the first at every concurrency)."""
+    `service_batch_sizes` as its rows per batch (the first at every concurrency), and with each
+    of `service_processes` server processes (`--workers`) at the first rows per batch and the
+    top concurrency."""
     manifest = read_manifest(models / model)
     runtime = load_runtime(models / model, providers=[provider] if provider == CPU else [provider, CPU])
     workload = load_workload(texts_dir, model, manifest.task, runtime.tokenizer, manifest.max_source_len, sentences)
@@ -245,17 +249,24 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     providers = [provider] if provider == CPU else [provider, CPU]
     # the first rows per batch at every concurrency, the others at the top one; on CUDA the first
     # also in the other batching modes (`SERVICE_MODES`) at the top one
-    runs = [(rows, "default") for rows in service_batch_sizes]
-    runs += [(service_batch_sizes[0], mode) for mode in SERVICE_MODES] * (provider == CUDA)
-    for rows, mode in runs:
+    runs = [(rows, "default", 1) for rows in service_batch_sizes]
+    runs += [(service_batch_sizes[0], mode, 1) for mode in SERVICE_MODES] * (provider == CUDA)
+    runs += [(service_batch_sizes[0], "default", processes) for processes in service_processes if processes > 1]
+    for rows, mode, processes in runs:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
         command = service_command(models, port, providers=providers, max_queue_size=max(4096, 4 * max(concurrency)))
         command += ["--max-batch-size", str(rows), "--max-batch-tokens", str(rows * manifest.max_source_len)]
-        command += SERVICE_MODES.get(mode, [])
-        log = out / f"service-{model}-{rows}{'' if mode == 'default' else '-' + SERVICE_MODES[mode][0][2:]}.log"
+        command += SERVICE_MODES.get(mode, []) + (["--workers", str(processes)] if processes > 1 else [])
+        log = out / (f"service-{model}-{rows}{'' if mode == 'default' else '-' + SERVICE_MODES[mode][0][2:]}"
+                     f"{f'-p{processes}' if processes > 1 else ''}.log")
         with ServerProcess(command, port, log) as server:
-            if mode != "default":
+            if processes > 1:
+                result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
+                report.setdefault("service_processes", {})[str(processes)] = {
+                    "max_batch_size": rows, "concurrency": max(concurrency), "stats": result.stats().to_dict()}
+                report[f"memory_during_service_p{processes}"] = gpu()
+            elif mode != "default":
                 result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
                 report.setdefault("service_modes", {})[mode] = {
                     "max_batch_size": rows, "concurrency": max(concurrency), "stats": result.stats().to_dict()}
@@ -281,10 +292,13 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     if manifest.task == "translate":
         report["ctranslate2"] = ctranslate2_baseline(models / model, pieces, batch_sizes, max_new_tokens, device)
     best = best_alternative(report)
-    rows, top = max(((int(r), s["sentences_per_s"]) for r, s in report["service_batch_sizes"].items()),
-                    key=lambda run: run[1])  # the default batching mode: what a user gets unasked
+    # the default batching mode, each setting a user tunes (rows per batch, server processes): the best
+    settings = [(int(r), 1, s["sentences_per_s"]) for r, s in report["service_batch_sizes"].items()]
+    settings += [(run["max_batch_size"], int(n), run["stats"]["sentences_per_s"])
+                 for n, run in report.get("service_processes", {}).items()]
+    rows, processes, top = max(settings, key=lambda setting: setting[2])
     report["target"] = {"service_concurrency": max(concurrency), "service_sentences_per_s": top,
-                        "service_max_batch_size": rows,
+                        "service_max_batch_size": rows, "service_processes": processes,
                         "best_alternative": best[0] if best else None,
                         "ratio": top / best[1] if best and best[1] else None, "bound": 1.0}
     if "1" in report["service"]:  # the single request's latency (the issue's bound: 10 ms on a GPU)
@@ -333,6 +347,9 @@ def markdown(results: dict[str, Any]) -> str:
         rows = [(f"service, concurrency {c}{suffix}", s) for c, s in report["service"].items()]
         rows += [(f"service, concurrency {max(map(int, report['service']))}, {b} rows per batch", s)
                  for b, s in grid.items() if b != first]
+        for processes, run in report.get("service_processes", {}).items():
+            rows.append((f"service, concurrency {run['concurrency']}, {processes} server processes, "
+                         f"{run['max_batch_size']} rows per batch", run["stats"]))
         for mode, run in report.get("service_modes", {}).items():
             rows.append((f"service {mode}, concurrency {run['concurrency']}, {run['max_batch_size']} rows per batch",
                          run["stats"]))
@@ -384,8 +401,10 @@ def markdown(results: dict[str, Any]) -> str:
         target = report.get("target", {})
         if target.get("ratio") is not None:
             status = "met" if target["ratio"] >= target["bound"] else "missed"
+            processes = target.get("service_processes", 1)
             lines += ["", (f"Service at concurrency {target['service_concurrency']} "
-                           f"({target.get('service_max_batch_size', 64)} rows per batch) / best alternative "
+                           f"({target.get('service_max_batch_size', 64)} rows per batch"
+                           f"{f', {processes} server processes' if processes > 1 else ''}) / best alternative "
                            f"({target['best_alternative']}): **{target['ratio']:.2f}** (bound ≥ 1.0: {status}).")]
         scored = report.get("quality", {})
         if "scores" in scored:
@@ -422,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service-batch-sizes", type=int, nargs="+", default=None,
                         help="the service's --max-batch-size: the first at every concurrency, the others at the "
                         "top one (default: the provider's default rows per batch, then 64 and 256)")
+    parser.add_argument("--service-processes", type=int, nargs="*", default=None,
+                        help="also the service as this many server processes (--workers) at the top concurrency "
+                        "and the first rows per batch (default: 4 on CUDA, none on the CPU)")
     parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 instead of 0 when it cannot run")
     args = parser.parse_args(argv)
@@ -442,12 +464,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     default_rows = BATCH_ROWS[args.provider]
     service_batch_sizes = tuple(args.service_batch_sizes or dict.fromkeys([default_rows, 64, 256]))
+    service_processes = tuple(args.service_processes if args.service_processes is not None
+                              else (4,) if args.provider == CUDA else ())
     for model in args.model or [TASK_MODELS[t] for t in args.tasks]:
         if args.provider == CUDA:  # where the fp16 step graph departs from the CPU's, with and without host totals
             results["step_graph_parity"] += [step_graph_parity.compare(args.models / model, "fp16", CUDA, host)
                                              for host in (False, True)]
         results["models"].append(measure(args.models, model, args.texts, args.provider, args.sentences,
-                                         args.concurrency, args.batch_sizes, out, service_batch_sizes))
+                                         args.concurrency, args.batch_sizes, out, service_batch_sizes,
+                                         service_processes))
     (out / "gpu-check.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (out / "gpu-check.md").write_text(markdown(results), encoding="utf-8")
     print(f"wrote {out / 'gpu-check.md'}")

@@ -33,7 +33,8 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     out = tmp_path / "out"
     status = gpu_check.main(["--provider", CPU, "--models", str(models), "--texts", str(tmp_path / "texts"),
                              "--model", "tiny", "--out", str(out), "--sentences", "24", "--concurrency", "1", "4",
-                             "--batch-sizes", "8", "--service-batch-sizes", "8", "16", "--no-tests"])
+                             "--batch-sizes", "8", "--service-batch-sizes", "8", "16", "--service-processes", "2",
+                             "--no-tests"])
     assert status == 0
     (folder,) = out.iterdir()
     results = json.loads((folder / "gpu-check.json").read_text())
@@ -42,8 +43,13 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert set(report["service"]) == {"1", "4"} and set(report["in_process"]) == {"8"}
     # the service's rows per batch: 8 at every concurrency, 16 at the top one; the best of them is compared
     assert report["service_batch_sizes"]["8"] == report["service"]["4"] and set(report["service_batch_sizes"]) == {"8", "16"}
-    grid = {int(b): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
-    assert report["target"]["service_max_batch_size"] == max(grid, key=grid.__getitem__)
+    # and as two server processes at 8 rows and the top concurrency; the best setting is compared
+    (processes,) = report["service_processes"].items()
+    assert processes[0] == "2" and processes[1]["max_batch_size"] == 8 and processes[1]["concurrency"] == 4
+    grid = {(int(b), 1): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
+    grid[(8, 2)] = processes[1]["stats"]["sentences_per_s"]
+    best = max(grid, key=grid.__getitem__)
+    assert (report["target"]["service_max_batch_size"], report["target"]["service_processes"]) == best
     assert report["target"]["service_sentences_per_s"] == max(grid.values())
     assert report["in_process_alone"]["sentences"] == 16 and report["in_process_alone"]["latency_p50_s"] > 0
     assert report["service"]["1"]["sentences"] == 16
@@ -57,7 +63,8 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     fixed = report["static_step"]  # the lone row on a graph of fixed shapes: the same tokens, logits within float rounding
     assert fixed["static"]["same_tokens"] == 1.0 and fixed["static"]["max_logit_difference"] < 1e-5
     assert fixed["dynamic"]["steps"] == fixed["static"]["steps"] > 0 and "CUDA provider" in fixed["cuda_graph"]["error"]
-    for stats in [report["service"]["4"], *report["service_batch_sizes"].values(), *report["in_process"].values(),
+    for stats in [report["service"]["4"], *report["service_batch_sizes"].values(), processes[1]["stats"],
+                  *report["in_process"].values(),
                   *report["pytorch"]["batches"].values()]:
         assert stats["sentences"] == 24 and stats["errors"] == 0 and stats["tokens_per_s"] > 0
     # the same-device alternatives: CTranslate2 on the CPU (int8) beside PyTorch, and the target line
@@ -68,6 +75,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     text = (folder / "gpu-check.md").read_text()
     assert "| service, concurrency 4, 8 rows per batch |" in text and "| CTranslate2 int8, batch 8 |" in text
     assert "| service, concurrency 4, 16 rows per batch |" in text
+    assert "| service, concurrency 4, 2 server processes, 8 rows per batch |" in text
     assert "| ONNX in-process, one sentence at a time (16 sentences) |" in text
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
