@@ -348,8 +348,9 @@ def markdown(results: dict[str, Any]) -> str:
         rows += [(f"service, concurrency {max(map(int, report['service']))}, {b} rows per batch", s)
                  for b, s in grid.items() if b != first]
         for processes, run in report.get("service_processes", {}).items():
-            rows.append((f"service, concurrency {run['concurrency']}, {processes} server processes, "
-                         f"{run['max_batch_size']} rows per batch", run["stats"]))
+            name = (f"service, concurrency {run['concurrency']}, {processes} server processes, "
+                    f"{run['max_batch_size']} rows per batch")
+            rows.append((name, run["stats"]))
         for mode, run in report.get("service_modes", {}).items():
             rows.append((f"service {mode}, concurrency {run['concurrency']}, {run['max_batch_size']} rows per batch",
                          run["stats"]))
