@@ -87,7 +87,10 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert scored["variant"] == report["variant"] and scored["scores"]["rows"] == scored["cpu_fp32"]["rows"] > 0
     assert scored["within_bound"] == all(scored["scores"][m] >= scored["cpu_fp32"][m] - 1.0 for m in ("bleu", "chrf"))
     assert f"Quality of {report['variant']} on CPUExecutionProvider against fp32 on the CPU" in text
-    assert "Service at concurrency 4 (" in text and "rows per batch) / best alternative" in text
+    target = report["target"]  # the line names the best setting: its rows per batch, and its processes if several
+    setting = f"{target['service_max_batch_size']} rows per batch"
+    setting += ", 2 server processes" if target["service_processes"] == 2 else ""
+    assert f"Service at concurrency 4 ({setting}) / best alternative" in text
     assert "service_modes" not in report and report["service_step_graph"] is True  # other modes: on CUDA only
     report["service_modes"] = {"request-level batches": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
     assert "| service request-level batches, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
