@@ -7,13 +7,21 @@ and the attention scores and weighted sums; layer norms, softmax and the activat
 out (a few % of the total). The peak is the best GFLOP/s of a single `MatMulInteger` (int8: uint8
 activations, int8 weights, the kernel the int8 graphs run) or `MatMul` (fp32) graph, over the
 shapes a running batch multiplies (`GEMM_SHAPES`), with onnxruntime's default threads.
+
+`python -m bench.roofline --levers DIR` puts a `bench.levers` run on that line: the FLOPs of its
+workload's sentences at the run's mean output length, the peak measured now (right after the
+run, on the same machine state), each variant's and CTranslate2's share of it; it writes
+`DIR/roofline.json`.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -129,3 +137,52 @@ def fraction(sentences_per_s: float | None, flops_per_sentence: float, peak_gflo
     if sentences_per_s is None or peak_gflops <= 0:
         return None
     return sentences_per_s * flops_per_sentence / (peak_gflops * 1e9)
+
+
+def levers_fractions(levers: dict[str, Any], shapes: Shapes, source_lens: Sequence[int], peak_gflops: float,
+                     variant: str = "defaults (continuous batching)") -> dict[str, Any]:
+    """A `bench.levers` result (`levers.json`) on the roofline: the FLOPs of sentences of
+    `source_lens` at `variant`'s mean output length, and each variant's (and CTranslate2's,
+    when the run has it) share of `peak_gflops`."""
+    run = levers["variants"][variant]
+    target_len = round(run["target_tokens"] / run["sentences"])
+    flops = workload_flops(shapes, source_lens, [target_len] * len(source_lens))
+    rates = {name: v["sentences_per_s"] for name, v in levers["variants"].items()}
+    if levers.get("ctranslate2"):
+        rates["CTranslate2"] = levers["ctranslate2"]["sentences_per_s"]
+    return {"int8_peak_gflops": peak_gflops, "flops_per_sentence": flops, "mean_target_tokens": target_len,
+            "fraction_int8": {name: _rounded(fraction(rate, flops, peak_gflops)) for name, rate in rates.items()}}
+
+
+def _rounded(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.roofline --levers DIR`: the module's docstring."""
+    parser = argparse.ArgumentParser(prog="python -m bench.roofline", description=main.__doc__)
+    parser.add_argument("--levers", type=Path, required=True, help="a `bench.levers --out` folder (its levers.json)")
+    parser.add_argument("--model", type=Path, default=Path("models/translate-en-it"))
+    parser.add_argument("--data-dir", type=Path, default=Path("data"))
+    parser.add_argument("--variant", default="defaults (continuous batching)",
+                        help="the variant whose mean output length the FLOPs take")
+    parser.add_argument("--seconds", type=float, default=0.5, help="per GEMM shape, measuring the peak")
+    args = parser.parse_args(argv)
+    from bench import workload
+    from model.tokenizer import Tokenizer
+    from service.repository.manifest import read_manifest
+
+    levers = json.loads((args.levers / "levers.json").read_text(encoding="utf-8"))
+    manifest = read_manifest(args.model)
+    shapes = Shapes.from_config(manifest.model_config)
+    work = workload.load(args.data_dir, args.model.name, manifest.task, Tokenizer.from_file(args.model / "tokenizer.model"),
+                         manifest.max_source_len, levers["sentences"], levers.get("split", "test"))
+    peak = peaks(shapes, seconds=args.seconds)["int8"]["peak_gflops"]
+    result = levers_fractions(levers, shapes, [len(ids) for ids in work.source_ids], peak, args.variant)
+    (args.levers / "roofline.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

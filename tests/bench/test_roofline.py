@@ -48,3 +48,52 @@ def test_gemm_ceiling_is_measured_for_both_types() -> None:
 def test_fraction_of_the_ceiling() -> None:
     assert roofline.fraction(100.0, 2e9, 1000.0) == pytest.approx(0.2)
     assert roofline.fraction(None, 2e9, 1000.0) is None
+
+
+def test_a_levers_run_on_the_roofline() -> None:
+    """Each variant's and CTranslate2's share, the FLOPs taken at the variant's mean output length."""
+    levers = {"variants": {"defaults (continuous batching)": {"sentences": 10, "target_tokens": 52, "sentences_per_s": 100.0},
+                           "two server processes": {"sentences": 10, "target_tokens": 60, "sentences_per_s": 150.0}},
+              "ctranslate2": {"sentences_per_s": 300.0}}
+    result = roofline.levers_fractions(levers, SHAPES, [7, 9, 12], 500.0)
+    assert result["mean_target_tokens"] == 5  # 52 / 10, rounded
+    flops = roofline.workload_flops(SHAPES, [7, 9, 12], [5, 5, 5])
+    assert result["flops_per_sentence"] == flops and result["int8_peak_gflops"] == 500.0
+    assert result["fraction_int8"] == {"defaults (continuous batching)": round(100 * flops / 500e9, 4),
+                                       "two server processes": round(150 * flops / 500e9, 4),
+                                       "CTranslate2": round(300 * flops / 500e9, 4)}
+    assert "CTranslate2" not in roofline.levers_fractions({**levers, "ctranslate2": None}, SHAPES, [7], 500.0)[
+        "fraction_int8"]
+
+
+def test_the_command_writes_the_roofline_beside_the_run(tiny_model_repository, tmp_path) -> None:
+    pytest.importorskip("onnx")
+    import json
+    import shutil
+
+    model = tmp_path / "models" / "tiny"
+    shutil.copytree(tiny_model_repository, model)
+    (tmp_path / "data" / "tiny").mkdir(parents=True)
+    shutil.copy(tiny_model_repository.parent / "data" / "test.src", tmp_path / "data" / "tiny" / "test.src")
+    run = tmp_path / "run"
+    run.mkdir()
+    levers = {"sentences": 4, "split": "test", "ctranslate2": {"sentences_per_s": 20.0},
+              "variants": {"defaults (continuous batching)": {"sentences": 4, "target_tokens": 12, "sentences_per_s": 10.0}}}
+    (run / "levers.json").write_text(json.dumps(levers))
+    assert roofline.main(["--levers", str(run), "--model", str(model), "--data-dir", str(tmp_path / "data"),
+                          "--seconds", "0.02"]) == 0
+    result = json.loads((run / "roofline.json").read_text())
+    assert result["mean_target_tokens"] == 3 and result["int8_peak_gflops"] > 0
+    assert set(result["fraction_int8"]) == {"defaults (continuous batching)", "CTranslate2"}
+    # the FLOPs of the run's own sentences: the first 4 of the test split, as the model tokenizes them
+    from bench import workload
+    from model.tokenizer import Tokenizer
+    from service.repository.manifest import read_manifest
+
+    manifest = read_manifest(model)
+    work = workload.load(tmp_path / "data", "tiny", manifest.task, Tokenizer.from_file(model / "tokenizer.model"),
+                         manifest.max_source_len, 4)
+    shapes = roofline.Shapes.from_config(manifest.model_config)
+    assert result == roofline.levers_fractions(levers, shapes, [len(ids) for ids in work.source_ids],
+                                               result["int8_peak_gflops"])
+    assert result["flops_per_sentence"] > roofline.workload_flops(shapes, [1] * 4, [3] * 4)
