@@ -438,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", action="append", default=None, help="model folder names (default: by --tasks)")
     parser.add_argument("--sentences", type=int, default=1024)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="batch sizes of the graphs in-process and of the alternatives (default: 64 and 256, "
+                        "on CUDA also 1024: a GPU's best batch is often the largest one that fits)")
     parser.add_argument("--service-batch-sizes", type=int, nargs="+", default=None,
                         help="the service's --max-batch-size: the first at every concurrency, the others at the "
                         "top one (default: the provider's default rows per batch, then 64 and 256)")
@@ -464,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_graph_attention": gqa_cuda.check(), "step_graph_parity": [], "models": [],
     }
     default_rows = BATCH_ROWS[args.provider]
+    batch_sizes = args.batch_sizes or [64, 256, *[1024] * (args.provider == CUDA)]
     service_batch_sizes = tuple(args.service_batch_sizes or dict.fromkeys([default_rows, 64, 256]))
     service_processes = tuple(args.service_processes if args.service_processes is not None
                               else (4,) if args.provider == CUDA else ())
@@ -472,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             results["step_graph_parity"] += [step_graph_parity.compare(args.models / model, "fp16", CUDA, host)
                                              for host in (False, True)]
         results["models"].append(measure(args.models, model, args.texts, args.provider, args.sentences,
-                                         args.concurrency, args.batch_sizes, out, service_batch_sizes,
+                                         args.concurrency, batch_sizes, out, service_batch_sizes,
                                          service_processes))
     (out / "gpu-check.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     (out / "gpu-check.md").write_text(markdown(results), encoding="utf-8")

@@ -50,7 +50,7 @@ import onnxruntime as ort
 from service.repository import graph_io
 from service.runtime import onnx_proto
 from service.runtime.providers import CPU, CUDA
-from service.runtime.step_buffers import cross_in_place
+from service.runtime.step_buffers import binding_kept, cross_in_place
 from service.runtime.tensors import Tensor, shape
 
 _ELEMENT_TYPES = {"tensor(float)": onnx_proto.FLOAT, "tensor(float16)": onnx_proto.FLOAT16,
@@ -184,7 +184,7 @@ class DeviceSlots:
         self.cache = self._allocate((rows, heads, capacity, head_dim), cache_type)  # key.0, value.0, key.1, ...
         self.cross = self._allocate((rows, heads, width, head_dim), cross_type)  # cross_key.0, cross_value.0, ...
         # the step graph bound to the buffers for a row count (`step`): (session, rows, binding)
-        self._bound: tuple[ort.InferenceSession, int, ort.IOBinding] | None = None
+        self._bound: tuple[ort.InferenceSession, int, ort.IOBinding, bool] | None = None  # (session, B, binding, kept)
         if zeroed:
             self._zero(self.cache)
             self._zero(self.cross)
@@ -318,12 +318,14 @@ class DeviceSlots:
         past and present bound to the same (B, h, capacity, d) views of the cache buffers,
         cross keys/values to (B, h, width, d) views (and the graph's `present_cross_*` outputs, when
         it has them, to the same views); returns the (B, vocab) logits (float32). The buffers'
-        binding is kept while B and `session` stay the same: a step binds its ids, positions and
-        mask only."""
+        binding is kept while B and `session` stay the same and every reader of the buffers runs
+        on their device (`binding_kept`): a step then binds its ids, positions and mask only."""
         count = len(input_ids)
-        if self._bound is None or self._bound[0] is not session or self._bound[1] != count:
-            self._bound = (session, count, self._bind(session, count))
-        binding = self._bound[2]
+        bound = self._bound
+        if bound is None or bound[0] is not session or bound[1] != count or not bound[3]:
+            kept = binding_kept(session, self.graphs.device)
+            bound = self._bound = (session, count, self._bind(session, count), kept)
+        binding = bound[2]
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
         binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))

@@ -17,6 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.repository import graph_io
+from service.runtime.providers import CUDA, STEP_CACHE_TYPES
 from service.runtime.tensors import Tensor, shape, to_numpy
 
 
@@ -91,6 +92,29 @@ def cross_in_place(session: ort.InferenceSession) -> bool:
     return known
 
 
+def binding_kept(session: ort.InferenceSession, device: str) -> bool:
+    """Whether a binding of the step graph `session` to slot buffers on `device` ("cpu" or
+    "cuda") may serve the steps after the one it was made for. onnxruntime copies a bound input
+    to the device of the node that reads it when the input is bound (`IOBinding::BindInput`),
+    not when the graph runs, so a binding kept over steps would feed every later step that first
+    copy of the cache. Kept only when every reader of the bound buffers runs on `device`: the
+    cache is read by the attention, which runs on CUDA for a session there when its type has a
+    CUDA kernel (`STEP_CACHE_TYPES`) and on the CPU otherwise; the cross keys/values by the
+    attention too when it reads each row's own source (`cross_in_place`), else by the session's
+    own provider."""
+    on_cuda = session.get_providers()[0] == CUDA
+    provider_device = "cuda" if on_cuda else "cpu"
+    types = {value.name: value.type for value in session.get_inputs()}
+
+    def attention(kind: str) -> str:
+        return "cuda" if on_cuda and kind in STEP_CACHE_TYPES[CUDA] else "cpu"
+
+    cache, cross = graph_io.past_names(1)[0], graph_io.cross_names(1)[0]  # past_key.0, cross_key.0
+    readers = {attention(types.get(cache, "")),
+               attention(types.get(cross, "")) if cross_in_place(session) else provider_device}
+    return readers == {device}
+
+
 class StepBinding:
     """The step graph bound to the first `count` rows of host buffers: each layer's past and
     present to the same cache buffer, the cross keys/values (and, for a graph whose
@@ -108,6 +132,7 @@ class StepBinding:
         self.session = session
         self.count = count
         self.reuse_logits = reuse_logits
+        self.kept = binding_kept(session, "cpu")  # else `HostSlots.step` binds the buffers again each step
         self.binding = session.io_binding()
         self.binding.bind_output("logits", "cpu")  # bound first: the first output
         self._logits: np.ndarray | None = None
@@ -249,11 +274,12 @@ class HostSlots:
              source_mask: np.ndarray, columns: Mapping[str, np.ndarray] | None = None) -> np.ndarray:
         """One step of the first B slots (`run_step`, B = len(input_ids)); the (B, vocab) logits,
         or with `columns` (the shortlist step graph's projection inputs) the (B, V') logits.
-        The graph stays bound to the slots while B and `session` stay the same (`StepBinding`);
+        The graph stays bound to the slots while B and `session` stay the same and every reader
+        of the slots runs on the CPU (`StepBinding`, `binding_kept`);
         without `columns` the logits are one array that the next such step overwrites."""
         count = len(input_ids)
         bound = self._binding
-        if bound is None or bound.session is not session or bound.count != count:
+        if bound is None or bound.session is not session or bound.count != count or not bound.kept:
             bound = self._binding = StepBinding(session, self.buffers, [c[:count] for c in self.cross], count,
                                                 reuse_logits=True)
         return bound.run(input_ids, positions, source_mask, columns)

@@ -95,6 +95,38 @@ def test_device_slots_decode_what_host_slots_and_each_row_alone_decode(
         assert (host[i].tokens, host[i].finish_reason) == (alone.tokens, alone.finish_reason)
 
 
+def test_slots_whose_readers_run_elsewhere_bind_the_step_graph_at_every_step(
+        bound: ModelRuntime, sources, monkeypatch) -> None:
+    """Where a reader of the slots runs on another device (`binding_kept` False: onnxruntime would
+    feed a kept binding's first copy of the cache to every later step), device and host slots
+    bind the step graph afresh at each step and decode what a kept binding decodes (here on the
+    CPU, where both are right)."""
+    from service.runtime import step_buffers
+
+    limits = _limits(sources, 0)
+    kept = {on_device: _schedule(bound, sources, on_device, 0, limits) for on_device in (True, False)}
+    binds = []
+    original_bind = DeviceSlots._bind
+    monkeypatch.setattr(DeviceSlots, "_bind", lambda self, session, count: binds.append(count)
+                        or original_bind(self, session, count))
+    made = []
+    original_init = step_buffers.StepBinding.__init__
+    monkeypatch.setattr(step_buffers.StepBinding, "__init__", lambda self, *a, **k: made.append(1)
+                        or original_init(self, *a, **k))
+    kept_binds = len(_schedule(bound, sources, True, 0, limits)[1]), len(binds)
+    assert kept_binds[1] < kept_binds[0]  # kept: bound again only when the row count changes
+    monkeypatch.setattr(device_slots, "binding_kept", lambda session, device: False)
+    monkeypatch.setattr(step_buffers, "binding_kept", lambda session, device: False)
+    binds.clear()
+    device = _schedule(bound, sources, True, 0, limits)
+    assert len(binds) == len(device[1])  # one binding per step
+    _assert_same_rows(device, kept[True])
+    made.clear()
+    host = _schedule(bound, sources, False, 0, limits)
+    assert len(made) == len(host[1])
+    _assert_same_rows(host, kept[False])
+
+
 def test_a_join_writes_into_the_device_buffers_in_place(bound: ModelRuntime, sources) -> None:
     batch: SlotBatch[int] = SlotBatch(bound, rows=8, on_device=True)
     longest = max(sources, key=len)
@@ -513,6 +545,25 @@ def test_the_fp16_variant_batches_on_its_step_graph_on_cuda(tiny_runtime: ModelR
     if read_manifest(tiny_fp16_repository).variants["fp16"].servable:  # measured within 1 point of fp32
         default = ModelRuntime.load(tiny_fp16_repository)
         assert (default.provider, default.variant) == (CUDA, "fp16") and default.step is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu with CUDAExecutionProvider")
+def test_host_slots_of_a_cuda_step_graph_decode_what_device_slots_decode(tiny_fp16_repository, sources) -> None:
+    """The fp16 step graph on CUDA with its slots in host memory (its attention reads them on the
+    GPU, so each step binds them afresh: `binding_kept`) decodes what its slots on the GPU decode,
+    through joins, departures and resizes."""
+    from service.runtime import CUDA
+
+    cuda = ModelRuntime.load(tiny_fp16_repository, [CUDA, CPU], variant="fp16", step_graph=True)
+    assert cuda.provider == CUDA and cuda.step is not None
+    for seed in (0, 1):
+        limits = _limits(sources, seed)
+        device = _schedule(cuda, sources, True, seed, limits)
+        host = _schedule(cuda, sources, False, seed, limits)
+        same = [i for i in host[0] if (host[0][i].tokens, host[0][i].finish_reason)
+                == (device[0][i].tokens, device[0][i].finish_reason)]
+        assert len(same) >= len(sources) - 1  # the same kernels; fp16 rounding may tip one close call
 
 
 def test_newcomers_to_device_slots_are_encoded_in_one_call(tiny_runtime: ModelRuntime, bound: ModelRuntime,

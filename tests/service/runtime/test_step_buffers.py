@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.runtime.step_buffers import HostSlots, copy_rows
+from service.runtime.step_buffers import HostSlots, binding_kept, copy_rows
 
 
 def _expected(array: np.ndarray, sources: list[int], targets: list[int], columns: int | None) -> np.ndarray:
@@ -64,3 +64,47 @@ def test_int8_cross_keys_values_are_quantized_to_their_scales_as_they_are_writte
     assert slots.cross[0][1, 0, 2].tolist() == [0, 0] and not slots.cross[0][0].any()  # padding and other slots
     grown = slots.resized(4, 8, 3, 2, 1)
     assert grown.cross_scales == [0.5, 0.01] and grown.cross[0][1, 0, :2].tolist() == [[2, -1], [127, 1]]
+
+
+class _Step:
+    """What `binding_kept` reads of a step session: its providers, inputs' and outputs' names and
+    types (weak-referenceable, as sessions are)."""
+
+    def __init__(self, provider: str, cache: str, cross: str, cross_in_place: bool) -> None:
+        from types import SimpleNamespace
+
+        self.providers = [provider, "CPUExecutionProvider"]
+        self.inputs = [SimpleNamespace(name="past_key.0", type=cache), SimpleNamespace(name="cross_key.0", type=cross)]
+        self.outputs = [SimpleNamespace(name="logits", type="tensor(float)")]
+        if cross_in_place:
+            self.outputs.append(SimpleNamespace(name="present_cross_key.0", type=cross))
+
+    def get_providers(self) -> list[str]:
+        return self.providers
+
+    def get_inputs(self) -> list:
+        return self.inputs
+
+    def get_outputs(self) -> list:
+        return self.outputs
+
+
+F32, F16 = "tensor(float)", "tensor(float16)"
+
+
+@pytest.mark.parametrize(("provider", "cache", "cross", "in_place", "kept_on"), [
+    ("CPUExecutionProvider", F32, F32, True, "cpu"),
+    ("CPUExecutionProvider", F16, F16, False, "cpu"),
+    ("CUDAExecutionProvider", F16, F16, True, "cuda"),  # the attention's CUDA kernel reads both
+    ("CUDAExecutionProvider", F16, F32, False, "cuda"),  # cross keys/values read by CUDA's own nodes
+    ("CUDAExecutionProvider", F32, F32, True, "cpu"),  # no float32 CUDA kernel: the CPU attention reads both
+    ("CUDAExecutionProvider", F32, F32, False, None),  # the cache read on the CPU, the cross keys on CUDA
+    ("CUDAExecutionProvider", F16, F32, True, None),  # the cache on CUDA, the cross keys/values on the CPU
+])
+def test_a_binding_is_kept_only_where_every_reader_of_the_slots_runs(provider: str, cache: str, cross: str,
+                                                                      in_place: bool, kept_on: str | None) -> None:
+    """onnxruntime copies a bound input to its reader's device when it is bound: a binding is kept
+    over steps only for slots on the device where the attention (and whatever reads the cross
+    keys/values) runs."""
+    step = _Step(provider, cache, cross, in_place)
+    assert [device for device in ("cpu", "cuda") if binding_kept(step, device)] == ([kept_on] if kept_on else [])
