@@ -197,8 +197,9 @@ def best_alternative(report: dict[str, Any]) -> tuple[str, float] | None:
 
 def step_graph_alone(runtime: ModelRuntime, model_dir: Path, sources: list[list[int]], provider: str) -> dict[str, Any]:
     """The service's path at concurrency 1 without the server: the first `ALONE` sources one at a
-    time through a one-row running batch on the step graph (mean milliseconds per sentence and
-    per step), then `PROFILED_ALONE` of them again on profiled sessions: the kernels per step on
+    time through a one-row running batch on the step graph (on CUDA in the runtime's lone slot,
+    replayed as a CUDA graph; mean milliseconds per sentence and per step), then `PROFILED_ALONE`
+    of them again on profiled sessions of the batch's step graph: the kernels per step on
     each provider and the host <-> device copies among them, which a single sentence's step
     pays in launches and synchronisations (`join_cost.profile`)."""
     alone = join_cost.replay(runtime, sources[:ALONE], 1, 1, join_cost.MODES[join_cost.STEP_MODE])
@@ -379,7 +380,7 @@ def markdown(results: dict[str, Any]) -> str:
             nodes = ", ".join(f"{count:g} on {name}" for name, count in alone["profile"]["nodes_per_step"].items())
             lines += ["", (f"One sentence at a time on the step graph in-process (the service's path at concurrency 1, "
                            f"{alone['sentences']} sentences): {alone['ms_per_sentence']:.1f} ms per sentence, "
-                           f"{alone['ms_per_step']:.2f} ms per step; profiled, a step runs {nodes} "
+                           f"{alone['ms_per_step']:.2f} ms per step; profiled on the batch's step graph, a step runs {nodes} "
                            f"({alone['profile']['memcpy_per_step']:g} host <-> device copies).")]
         fixed = report.get("static_step")
         if fixed:

@@ -115,13 +115,15 @@ def profile(model_dir: Path, sources: list[list[int]], rows: int, group: int,
             providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> dict[str, Any]:
     """One replay of the step graph on profiled sessions of `providers`: per operator type of
     the step graph (per step) and of the encoder (per join), with the kernels per step on each
-    provider and the host <-> device copies among them (`op_times`)."""
+    provider and the host <-> device copies among them (`op_times`). The lone slot is off (its
+    own session is not the one profiled): a lone row steps on the batch's step graph."""
     from bench.decoder_profile import op_times
     from service.runtime import ModelRuntime
 
     with tempfile.TemporaryDirectory(prefix="join-cost-profile-") as scratch:
         runtime = ModelRuntime.load(model_dir, providers=list(providers), threads=1, spinning=False,
-                                    memory_arena=False, profile_prefix=str(Path(scratch) / "onnxruntime"))
+                                    memory_arena=False, profile_prefix=str(Path(scratch) / "onnxruntime"),
+                                    lone_step=False)
         counted = replay(runtime, sources, rows, group, _slots)
         assert runtime.step is not None
         return {

@@ -323,6 +323,9 @@ class ModelCard(BaseModel):
     max_target_len: int | None
     step_graph: bool | None = Field(
         default=None, description="continuous batching runs on the step graph (else on the merged decoder)")
+    lone_step: bool | None = Field(
+        default=None, description="a request alone in its running batch decodes in the lone slot (the step "
+        "graph at fixed dimensions; on CUDA replayed as a CUDA graph)")
     gpu_memory_limit_mb: int | None = Field(
         default=None, description="cap of each CUDA session's memory arena in MiB (on CUDA; 0 = none)")
     error: str | None

@@ -81,6 +81,7 @@ from service.runtime.device_slots import (
     step_dtypes,
     step_element_types,
 )
+from service.runtime.lone_slots import LoneSlots
 from service.runtime.protocol import Runtime
 from service.runtime.shortlist import Shortlist, ShortlistCounts
 from service.runtime.step_buffers import HostSlots
@@ -201,6 +202,9 @@ class SlotBatch(Generic[Owner]):
         self._members: list[Member[Owner] | BeamSlot[Owner]] = []  # live rows: slot i holds self._members[i]
         # the beam-search rows among them (each in k slots), in the order they joined
         self._beams: dict[BeamGroup[Owner], None] = {}
+        # the runtime's lone slot (`service.runtime.lone_slots`), for a greedy row alone, with device slots
+        self._lone: LoneSlots | None = getattr(runtime, "lone", None) if on_device else None
+        self._holding = False  # whether this batch holds the lone slot (`_enter`)
         self._slots: Slots = (_device_slots(runtime, rows, capacity) if on_device else
                               HostSlots(runtime.n_decoder_layers, rows, runtime.n_heads, capacity, runtime.head_dim,
                                         0, *step_dtypes(runtime.step), cross_scales(runtime.step)))
@@ -279,6 +283,8 @@ class SlotBatch(Generic[Owner]):
         beam_sizes = list(beam_sizes) if beam_sizes is not None else [1] * len(sources)
         if len(beam_sizes) != len(sources) or min(beam_sizes) < 1:
             raise ValueError("one beam size >= 1 per source")
+        if not self._members:
+            self._enter(lone=len(sources) == 1 and beam_sizes[0] == 1)
         states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks, self.padding_slack)
         order = newcomer_order(sources)  # the members' order (`encode_newcomers`)
         beams = [beam_sizes[i] for i in order]
@@ -356,6 +362,32 @@ class SlotBatch(Generic[Owner]):
         if leaving:
             self._remove(sorted(leaving))
         return results
+
+    def _enter(self, lone: bool) -> None:
+        """The slot buffers of an empty batch for its next rows: the runtime's lone slot for one
+        greedy row (`lone`) when there is one and no other batch holds it, else the batch's own
+        device slots (made again at the initial size when the lone slot was in use)."""
+        if self._lone is None:
+            return
+        if lone and (self._holding or self._lone.take()):
+            self._holding = True
+            if self._slots is not self._lone:
+                self._slots = self._lone
+                self._reset(1, self._lone.width)
+            return
+        if self._holding:
+            self._lone.give_back()
+            self._holding = False
+        if self._slots is self._lone:
+            rows, capacity = self._initial
+            self._slots = _device_slots(self.runtime, rows, capacity)
+            self._reset(rows, 0)
+
+    def _reset(self, rows: int, width: int) -> None:
+        """The host arrays of an empty batch, for `rows` slots and source width `width`."""
+        self._source_mask = np.zeros((rows, width), dtype=bool)
+        self._positions = np.zeros(rows, dtype=np.int64)
+        self._last = np.zeros(rows, dtype=np.int64)
 
     def _advance_beams(self, logits: np.ndarray,
                        best: np.ndarray) -> tuple[list[int], list[tuple[Owner, GenerationResult]]]:
@@ -440,12 +472,17 @@ class SlotBatch(Generic[Owner]):
                     self._candidates[hole] = self._candidates[mover]
         del self._members[left:]
         del self._candidates[left:]
+        if not self._members and self._holding:  # another batch may take the lone slot now
+            assert self._lone is not None
+            self._lone.give_back()
+            self._holding = False
         self._shrink()
 
     def _shrink(self) -> None:
         """Smaller arrays when at most a quarter of the slots, the columns or the source width
-        is in use (never below the initial sizes), unless they hold at most `keep_bytes`."""
-        if self._slots.nbytes <= self.keep_bytes:
+        is in use (never below the initial sizes), unless they hold at most `keep_bytes` or are
+        the lone slot (left when rows join, or for the batch's own slots when it is empty)."""
+        if self._slots.nbytes <= self.keep_bytes or self._slots is self._lone:  # the lone slot's size is fixed
             return
         live = len(self._members)
         rows, capacity = self._initial
@@ -463,7 +500,11 @@ class SlotBatch(Generic[Owner]):
         live rows copied (one copy)."""
         live = len(self._members)
         columns = min(capacity, int(self._positions[:live].max())) if live else 0
-        self._slots = self._slots.resized(rows, capacity, width, live, columns)
+        old = self._slots
+        self._slots = old.resized(rows, capacity, width, live, columns)
+        if old is self._lone and self._slots is not old and self._holding:  # the row moved out of the lone slot
+            self._lone.give_back()
+            self._holding = False
         kept = min(width, self.source_len)
         mask = np.zeros((rows, width), dtype=bool)
         mask[:live, :kept] = self._source_mask[:live, :kept]

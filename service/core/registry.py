@@ -55,7 +55,7 @@ def onnx_loader(settings: Settings) -> Loader:
         runtime: Runtime = ModelRuntime.load(
             path, providers=list(settings.providers), threads=settings.session_threads(),
             variant=settings.variant, spinning=settings.spinning,
-            memory_arena=settings.cpu_memory_arena, step_graph=settings.step_graph,
+            memory_arena=settings.cpu_memory_arena, step_graph=settings.step_graph, lone_step=settings.lone_step,
             gpu_memory_limit_mb=settings.gpu_memory_limit_mb,
             shortlist=settings.continuous_batching and settings.shortlist_rows > 0,
         )

@@ -66,6 +66,11 @@ class Settings(BaseSettings):
         "serves it by default (`STEP_GRAPH_BY_DEFAULT`: the CPU and CUDA), true = wherever its attention has a kernel, "
         "false = on the merged decoder",
     )
+    lone_step: bool | None = Field(
+        default=None, description="a request alone in its running batch decodes in the lone slot (the step "
+        "graph at fixed dimensions, replayed as a CUDA graph on CUDA): unset = on CUDA, true = wherever "
+        "the slots live on a device, false = never",
+    )
     gpu_memory_limit_mb: int = Field(
         default=0, ge=0, description="cap of onnxruntime's CUDA memory arena per session (a model's "
         "encoder, decoder and step graph each), in MiB; 0 = no cap",

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "batch_workers", "max_batch_size",
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "length_routing",
-    "max_join_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "step_graph", "gpu_memory_limit_mb",
+    "max_join_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "step_graph", "lone_step", "gpu_memory_limit_mb",
     "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
@@ -59,6 +59,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--step-graph", action=argparse.BooleanOptionalAction,
                    help="continuous batching on the step graph (default: wherever its attention has a "
                    "kernel on the provider; --no-step-graph: on the merged decoder)")
+    p.add_argument("--lone-step", action=argparse.BooleanOptionalAction,
+                   help="decode a request alone in its running batch in the lone slot: the step graph at "
+                   "fixed dimensions, replayed as a CUDA graph (default: on CUDA)")
     p.add_argument("--gpu-memory-limit-mb", type=int,
                    help="cap of onnxruntime's CUDA memory arena per session (encoder, decoder, step "
                    "graph of each model), in MiB (default 0: no cap)")

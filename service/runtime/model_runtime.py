@@ -47,6 +47,7 @@ from service.runtime.device_slots import (
     step_dtypes,
     step_element_types,
 )
+from service.runtime.lone_slots import LoneSlots, fixed_dimensions, lone_session
 from service.runtime.providers import (
     AUTO_IO_BINDING,
     CPU,
@@ -102,6 +103,9 @@ class ModelRuntime:
     # the step graph with a vocabulary shortlist and its table (`service.runtime.shortlist`), used by
     # `SlotBatch` with host slots; None: every step computes the whole vocabulary
     shortlist: Shortlist | None = field(default=None, repr=False)
+    # a lone row's slot with the step graph at fixed dimensions, on CUDA replayed as a CUDA graph
+    # (`service.runtime.lone_slots`), used by `SlotBatch` for a greedy row alone; None: not served
+    lone: LoneSlots | None = field(default=None, repr=False)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -119,6 +123,7 @@ class ModelRuntime:
         step_graph: bool | None = None,
         shortlist: bool = False,
         gpu_memory_limit_mb: int = 0,
+        lone_step: bool | None = None,
     ) -> ModelRuntime:
         """Read the manifest, verify every file's sha256, pick provider and variant, build sessions.
 
@@ -136,6 +141,8 @@ class ModelRuntime:
         `shortlist` loads the variant's vocabulary shortlist (`service.runtime.shortlist`) when it
         has one and its step graph serves on the CPU (`SlotBatch` uses it with host slots only).
         `gpu_memory_limit_mb` caps each CUDA session's memory arena (`execution_providers`).
+        `lone_step` True builds `lone` (a lone row's slot, `service.runtime.lone_slots`) wherever
+        the step graph serves with IO binding, False never; None: on CUDA (replayed as a CUDA graph).
         """
         started = time.perf_counter()
         directory = Path(model_dir)
@@ -182,6 +189,8 @@ class ModelRuntime:
             runtime = cls(manifest.name, manifest.task, manifest, tokenizer, provider, chosen, encoder, decoder,
                           bind, device, device_id, gather, step)
             runtime._check_cache_dtype()
+            if step is not None and bind and (provider == CUDA if lone_step is None else lone_step):
+                runtime.lone = _lone_slots(directory / manifest.variants[chosen].step_decoder, runtime, threads)
             if shortlist and step is not None and provider == CPU and manifest.variants[chosen].shortlist:
                 runtime.shortlist = _load_shortlist(directory, manifest.variants[chosen], manifest.config.vocab_size,
                                                     threads, spinning, memory_arena)
@@ -391,6 +400,33 @@ class ModelRuntime:
             for position in (0, 1):
                 slots.step(self.step, np.full((2, 1), self.decoder_start_id, dtype=np.int64),
                            np.full((2, 1), position, dtype=np.int64), state.source_mask)
+
+
+def _lone_slots(path: Path, runtime: ModelRuntime, threads: int) -> LoneSlots | None:
+    """The runtime's lone slot (`service.runtime.lone_slots`): its step graph at fixed dimensions,
+    replayed as a CUDA graph on CUDA, stepped three times at load (the capture); None, with a
+    warning naming onnxruntime's reason, when the session cannot be made or run, or the step
+    graph quantizes its cache (device slots hold float caches)."""
+    assert runtime.step is not None
+    if cross_scales(runtime.step) is not None:
+        return None
+    try:
+        session = lone_session(path, runtime.provider, fixed_dimensions(runtime.max_target_len, runtime.max_source_len),
+                               cuda_graph=runtime.provider == CUDA, threads=threads, device_id=runtime.device_id,
+                               fold_dequantize=runtime.variant == "int8")
+        slots = LoneSlots(slot_graphs(runtime.provider, runtime.device, runtime.device_id), session,
+                          runtime.n_decoder_layers, runtime.n_heads, runtime.head_dim, runtime.max_target_len,
+                          runtime.max_source_len)
+        mask = np.zeros((1, slots.width), dtype=bool)
+        mask[0, 0] = True
+        for position in range(3):  # on zeros: onnxruntime runs, captures and replays the CUDA graph here
+            slots.step(session, np.full((1, 1), runtime.decoder_start_id, dtype=np.int64),
+                       np.full((1, 1), position, dtype=np.int64), mask)
+        return slots
+    except Exception as error:  # noqa: BLE001 - onnxruntime's refusal (a node with no kernel there) is logged
+        logger.warning("%s: no lone-row step graph (%s: %s); a lone request steps with the batch's", runtime.name,
+                       type(error).__name__, error)
+        return None
 
 
 def _load_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer | VocabTokenizer:

@@ -14,10 +14,13 @@ from service.runtime import CPU, ModelRuntime
 def test_a_lone_row_with_fixed_shapes_decodes_as_the_dynamic_session(tiny_model_repository: Path,
                                                                      tiny_runtime: ModelRuntime) -> None:
     session = static_step.static_session(tiny_model_repository, tiny_runtime)
-    fixed = static_step.fixed_dimensions(tiny_runtime)
+    fixed = {i.name: i.shape for i in session.get_inputs()}
+    assert (fixed["positions"], fixed["source_mask"], fixed["past_key.0"][2]) == \
+        ([1, 1], [1, tiny_runtime.max_source_len], tiny_runtime.max_target_len)
+    fixed = static_step.fixed_dimensions(tiny_runtime.max_target_len, tiny_runtime.max_source_len)
     assert fixed == {"batch": 1, "capacity": tiny_runtime.max_target_len, "source_len": tiny_runtime.max_source_len}
     sources = [tiny_runtime.tokenizer.encode(text) + [tiny_runtime.eos_id] for text in ("abc de", "fg hij", "k")]
-    tokens, logits, seconds = static_step.decode(static_step.LoneRow(session, tiny_runtime), tiny_runtime,
+    tokens, logits, seconds = static_step.decode(static_step.lone_row(session, tiny_runtime), tiny_runtime,
                                                  sources[0], 16)
     assert tokens == generate(tiny_runtime, sources[:1], 1, 16)[0].tokens  # request-level greedy's tokens
     assert tiny_runtime.tokenizer.decode(tokens).strip() == "ed cba"  # the tiny model reverses its input

@@ -121,6 +121,7 @@ async def test_models_reports_the_provider_and_variant(
     assert card["variant"] in {"int8", "fp32"}  # int8 on CPU when its quality is within bound
     assert (card["max_source_len"], card["max_target_len"]) == (16, 16)
     assert card["step_graph"] is True and card["gpu_memory_limit_mb"] is None  # the CPU serves its step graph
+    assert card["lone_step"] is False  # and no lone slot: its slots live in host memory
     async with serving(create_app(tiny_settings(served_tiny_models, step_graph=False))) as client:
         [merged] = (await client.get("/v1/models")).json()["models"]
     assert merged["step_graph"] is False

@@ -38,6 +38,7 @@ def _card(entry: ModelEntry, shortlist_rows: int, gpu_memory_limit_mb: int, proc
         max_source_len=runtime.max_source_len if runtime else None,
         max_target_len=runtime.max_target_len if runtime else None,
         step_graph=getattr(runtime, "step", None) is not None if runtime else None,
+        lone_step=getattr(runtime, "lone", None) is not None if runtime else None,
         gpu_memory_limit_mb=gpu_memory_limit_mb if runtime and runtime.provider == "CUDAExecutionProvider" else None,
         error=entry.error,
         batching=BatchCounters(

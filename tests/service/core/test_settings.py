@@ -62,6 +62,32 @@ def test_the_step_graph_setting_reaches_the_runtime(monkeypatch: pytest.MonkeyPa
     assert Settings().step_graph is False
 
 
+def test_the_lone_step_setting_reaches_the_runtime(monkeypatch: pytest.MonkeyPatch, tiny_model_repository: Path) -> None:
+    """`--lone-step`/`--no-lone-step` (or ATTNSERVE_LONE_STEP); unset, on CUDA only. The CPU
+    serves none either way: its slots live in host memory, where the lone slot's fixed
+    addresses buy nothing."""
+    from service.core.registry import onnx_loader
+    from service.runtime import model_runtime
+
+    parse = build_parser().parse_args
+    assert commands.settings_from_args(parse(["serve"])).lone_step is None
+    assert commands.settings_from_args(parse(["serve", "--lone-step"])).lone_step is True
+    assert commands.settings_from_args(parse(["serve", "--no-lone-step"])).lone_step is False
+    asked = []
+    original = model_runtime.ModelRuntime.load.__func__  # type: ignore[attr-defined]
+
+    def load(cls, *args, **kwargs):
+        asked.append(kwargs["lone_step"])
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(model_runtime.ModelRuntime, "load", classmethod(load))
+    base = {"providers": ("CPUExecutionProvider",), "threads": 1, "variant": "fp32"}
+    assert onnx_loader(Settings(**base, lone_step=True))(tiny_model_repository).lone is None
+    assert asked == [True]
+    monkeypatch.setenv("ATTNSERVE_LONE_STEP", "false")
+    assert Settings().lone_step is False
+
+
 def test_the_gpu_memory_limit_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     parse = build_parser().parse_args
     assert commands.settings_from_args(parse(["serve"])).gpu_memory_limit_mb == 0
