@@ -7,7 +7,8 @@
    `--concurrency` (its p50 at concurrency 1, over the first 128 sentences, is the single-request
    latency), and at the top one
    with each other `--service-batch-sizes` as its rows per batch (on CUDA also in the other
-   batching modes of `SERVICE_MODES`, and as `--service-processes` server processes); the service's
+   batching modes of `SERVICE_MODES`, the lone slot's off at concurrency 1, and as
+   `--service-processes` server processes); the service's
    graphs in-process at each `--batch-sizes` and one sentence at a time (the first 128); and the alternatives that run on the same GPU
    without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
    the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
@@ -53,8 +54,11 @@ ALONE = 128  # sentences decoded one at a time in-process
 QUALITY_ROWS = 200  # test rows scored on the provider and on the CPU (fp32)
 # On CUDA, the service also in these batching modes (flags of `attnserve serve`) beside its default
 # (continuous batching on the step graph): continuous batching on the merged decoder (whose running
-# batch copies the cache to the host every step), and request-level batches only
-SERVICE_MODES = {"on the merged decoder": ["--no-step-graph"], "request-level batches": ["--no-continuous-batching"]}
+# batch copies the cache to the host every step), request-level batches only, and a lone request
+# on the batch's step graph instead of the lone slot's CUDA graph (at concurrency 1: `SINGLE_MODES`)
+SERVICE_MODES = {"on the merged decoder": ["--no-step-graph"], "request-level batches": ["--no-continuous-batching"],
+                 "without the lone slot": ["--no-lone-step"]}
+SINGLE_MODES = {"without the lone slot"}  # run with one client (the first ALONE sentences), not the top concurrency
 LATENCY_BOUND_S = 0.010  # p50 of a single request on a GPU
 # continuous batching on the step graph in-process (`bench.join_cost`): sentences, slots, newcomers per join
 RUNNING_SENTENCES, RUNNING_ROWS, RUNNING_GROUP = 512, 64, 8
@@ -249,7 +253,7 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
 
     providers = [provider] if provider == CPU else [provider, CPU]
     # the first rows per batch at every concurrency, the others at the top one; on CUDA the first
-    # also in the other batching modes (`SERVICE_MODES`) at the top one
+    # also in the other batching modes (`SERVICE_MODES`) at the top one (`SINGLE_MODES` at one client)
     runs = [(rows, "default", 1) for rows in service_batch_sizes]
     runs += [(service_batch_sizes[0], mode, 1) for mode in SERVICE_MODES] * (provider == CUDA)
     runs += [(service_batch_sizes[0], "default", processes) for processes in service_processes if processes > 1]
@@ -268,9 +272,10 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                     "max_batch_size": rows, "concurrency": max(concurrency), "stats": result.stats().to_dict()}
                 report[f"memory_during_service_p{processes}"] = gpu()
             elif mode != "default":
-                result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
+                clients = 1 if mode in SINGLE_MODES else max(concurrency)
+                result = asyncio.run(closed_loop(url, text_bodies(texts if clients > 1 else texts[:ALONE]), clients))
                 report.setdefault("service_modes", {})[mode] = {
-                    "max_batch_size": rows, "concurrency": max(concurrency), "stats": result.stats().to_dict()}
+                    "max_batch_size": rows, "concurrency": clients, "stats": result.stats().to_dict()}
             elif rows == service_batch_sizes[0]:
                 info = json.loads(_get(server.url + "/v1/models"))
                 served = next(m for m in info["models"] if m["name"] == model)
