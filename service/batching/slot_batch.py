@@ -285,7 +285,13 @@ class SlotBatch(Generic[Owner]):
             raise ValueError("one beam size >= 1 per source")
         if not self._members:
             self._enter(lone=len(sources) == 1 and beam_sizes[0] == 1)
-        states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks, self.padding_slack)
+        try:
+            states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks,
+                                               self.padding_slack)
+        except BaseException:
+            if not self._members:
+                self._release_lone()
+            raise
         order = newcomer_order(sources)  # the members' order (`encode_newcomers`)
         beams = [beam_sizes[i] for i in order]
         live = len(self._members)
@@ -375,13 +381,18 @@ class SlotBatch(Generic[Owner]):
                 self._slots = self._lone
                 self._reset(1, self._lone.width)
             return
-        if self._holding:
-            self._lone.give_back()
-            self._holding = False
+        self._release_lone()
         if self._slots is self._lone:
             rows, capacity = self._initial
             self._slots = _device_slots(self.runtime, rows, capacity)
             self._reset(rows, 0)
+
+    def _release_lone(self) -> None:
+        """Give the lone slot back if this batch holds it."""
+        if self._holding:
+            assert self._lone is not None
+            self._lone.give_back()
+            self._holding = False
 
     def _reset(self, rows: int, width: int) -> None:
         """The host arrays of an empty batch, for `rows` slots and source width `width`."""
@@ -472,10 +483,8 @@ class SlotBatch(Generic[Owner]):
                     self._candidates[hole] = self._candidates[mover]
         del self._members[left:]
         del self._candidates[left:]
-        if not self._members and self._holding:  # another batch may take the lone slot now
-            assert self._lone is not None
-            self._lone.give_back()
-            self._holding = False
+        if not self._members:  # another batch may take the lone slot now
+            self._release_lone()
         self._shrink()
 
     def _shrink(self) -> None:
@@ -502,9 +511,8 @@ class SlotBatch(Generic[Owner]):
         columns = min(capacity, int(self._positions[:live].max())) if live else 0
         old = self._slots
         self._slots = old.resized(rows, capacity, width, live, columns)
-        if old is self._lone and self._slots is not old and self._holding:  # the row moved out of the lone slot
-            self._lone.give_back()
-            self._holding = False
+        if old is self._lone and self._slots is not old:  # the row moved out of the lone slot
+            self._release_lone()
         kept = min(width, self.source_len)
         mask = np.zeros((rows, width), dtype=bool)
         mask[:live, :kept] = self._source_mask[:live, :kept]

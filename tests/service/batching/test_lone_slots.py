@@ -194,3 +194,17 @@ def test_on_cuda_a_lone_row_replays_a_cuda_graph(tiny_fp16_repository, sources) 
         same += (got.tokens, got.finish_reason) == (expected.tokens, expected.finish_reason)
     cuda.lone.give_back()
     assert same >= len(sources) - 1
+
+
+def test_a_lone_row_whose_encoding_fails_gives_the_slot_back(lone: ModelRuntime, sources, monkeypatch) -> None:
+    from service.batching import slot_batch
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the encoder failed")
+
+    assert lone.lone is not None
+    batch: SlotBatch[int] = SlotBatch(lone, on_device=True)
+    monkeypatch.setattr(slot_batch, "encode_newcomers", fail)
+    with pytest.raises(RuntimeError, match="the encoder failed"):
+        batch.concatenate([sources[0]], [0], [LIMIT])
+    assert not len(batch) and _free(lone.lone)
