@@ -175,6 +175,8 @@ class DeviceSlots:
     of `graphs`' device. Slot b's own cache positions sit in columns 0..its length-1, its
     source in cross columns 0..its source length-1 (zeros after)."""
 
+    shares_buffers = True  # `resized` slots keep a buffer whose shape does not change
+
     def __init__(self, graphs: SlotGraphs, layers: int, rows: int, heads: int, capacity: int, head_dim: int,
                  width: int = 0, cache_type: int = onnx_proto.FLOAT, cross_type: int = onnx_proto.FLOAT,
                  zeroed: bool = True) -> None:
@@ -183,8 +185,9 @@ class DeviceSlots:
         self.cache_type, self.cross_type = cache_type, cross_type
         self.cache = self._allocate((rows, heads, capacity, head_dim), cache_type)  # key.0, value.0, key.1, ...
         self.cross = self._allocate((rows, heads, width, head_dim), cross_type)  # cross_key.0, cross_value.0, ...
-        # the step graph bound to the buffers for a row count (`step`): (session, rows, binding)
-        self._bound: tuple[ort.InferenceSession, int, ort.IOBinding, bool] | None = None  # (session, B, binding, kept)
+        # the step graph bound to the buffers for a row count (`step`): (session, rows, binding,
+        # whether the binding may serve the next steps: `binding_kept`)
+        self._bound: tuple[ort.InferenceSession, int, ort.IOBinding, bool] | None = None
         if zeroed:
             self._zero(self.cache)
             self._zero(self.cross)
@@ -296,12 +299,12 @@ class DeviceSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
         the first `kept_rows` slots of these: their first `kept_columns` cache columns and their
         cross keys/values up to the narrower width (one copy; zeros elsewhere). A buffer whose
-        shape does not change is the same OrtValue."""
+        shape does not change is the same OrtValue (unless these slots' `shares_buffers` is False)."""
         new = DeviceSlots(self.graphs, self.layers, 0, self.heads, 0, self.head_dim, 0,
                           self.cache_type, self.cross_type, zeroed=False)
         for name, size, kept in (("cache", capacity, kept_columns), ("cross", width, min(width, self.width))):
             old: list[ort.OrtValue] = getattr(self, name)
-            if old[0].shape()[0] == rows and old[0].shape()[2] == size:
+            if self.shares_buffers and old[0].shape()[0] == rows and old[0].shape()[2] == size:
                 setattr(new, name, old)
                 continue
             buffers = new._allocate((rows, self.heads, size, self.head_dim), old[0].element_type())

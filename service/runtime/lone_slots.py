@@ -59,6 +59,8 @@ class LoneSlots(DeviceSlots):
     token, position and source mask (device values written in place before each step) and the
     logits. `step` ignores the batch's session and runs this one."""
 
+    shares_buffers = False  # slots resized from these never hold their buffers
+
     def __init__(self, graphs: SlotGraphs, session: ort.InferenceSession, layers: int, heads: int, head_dim: int,
                  capacity: int, width: int) -> None:
         cache_type, cross_type = step_element_types(session)
@@ -105,19 +107,10 @@ class LoneSlots(DeviceSlots):
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> DeviceSlots:
         """These slots when nothing changes, else ordinary `DeviceSlots` of that size holding the
-        row (the lone slots' buffers are never shared: their session replays their addresses)."""
+        row (`DeviceSlots.resized`, sharing no buffer: the session replays these addresses)."""
         if (rows, capacity, width) == (1, self.capacity, self.width):
             return self
-        new = DeviceSlots(self.graphs, self.layers, 0, self.heads, 0, self.head_dim, 0, self.cache_type,
-                          self.cross_type, zeroed=False)
-        for name, size, kept in (("cache", capacity, kept_columns), ("cross", width, min(width, self.width))):
-            buffers = new._allocate((rows, self.heads, size, self.head_dim), getattr(self, name)[0].element_type())
-            if kept_rows and kept:
-                self._pad(getattr(self, name), buffers, kept_rows, kept, rows=rows)
-            else:
-                new._zero(buffers)
-            setattr(new, name, buffers)
-        return new
+        return super().resized(rows, capacity, width, kept_rows, kept_columns)
 
     def step(self, session: ort.InferenceSession, input_ids: np.ndarray, positions: np.ndarray,
              source_mask: np.ndarray) -> np.ndarray:
@@ -133,4 +126,3 @@ class LoneSlots(DeviceSlots):
             self._mask.update_inplace(self._mask_host)
         self.session.run_with_iobinding(self.binding)
         return np.array(self._logits.numpy(), dtype=np.float32)
-

@@ -52,6 +52,9 @@ def test_the_lone_slot_is_built_where_asked_for(tiny_model_repository, lone: Mod
     assert isinstance(slots, LoneSlots)
     assert (slots.rows, slots.capacity, slots.width) == (1, lone.max_target_len, lone.max_source_len)
     assert [i.shape for i in slots.session.get_inputs()][:3] == [[1, 1], [1, 1], [1, lone.max_source_len]]
+    assert slots.resized(1, slots.capacity, slots.width, 1, 3) is slots
+    narrower = slots.resized(1, 4, slots.width, 0, 0)  # the same cross shape: still a buffer of its own
+    assert type(narrower) is DeviceSlots and narrower.cross[0] is not slots.cross[0]
     assert tiny_runtime.lone is None
     assert ModelRuntime.load(tiny_model_repository, [CPU], threads=1, io_binding=True).lone is None
 
