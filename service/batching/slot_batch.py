@@ -297,7 +297,12 @@ class SlotBatch(Generic[Owner]):
         live = len(self._members)
         rows = live + sum(beams)
         width = max(state.source_mask.shape[1] for state in states)
-        if rows > self.slots or width > self.source_len:
+        if self._slots is self._lone and rows > 1:  # leaving the lone slot: sized for the rows, as if it grew
+            used = int(self._positions[0]) + 1 if live else 0
+            own = int(self._source_mask[0].sum()) if live else 0  # the lone row's source length
+            self._resize(_doubled(self._initial[0], rows), max(self._initial[1], _rounded(used, self.quantum)),
+                         _rounded(max(width, own), self.quantum))
+        elif rows > self.slots or width > self.source_len:
             self._resize(_doubled(self.slots, rows), self.capacity, max(_rounded(width, self.quantum), self.source_len))
         row, first = live, 0
         for state in states:  # a group encoded together: (count, w) sources

@@ -116,6 +116,10 @@ def test_a_lone_row_joined_after_some_steps_keeps_its_cache(tiny_runtime: ModelR
         results.update(batch.generate_token())
     batch.concatenate([sources[0], sources[2]], [0, 2], [LIMIT, LIMIT])
     assert type(batch._slots) is DeviceSlots and _free(lone.lone)
+    # sized as if the batch had grown from its initial size: 3 rows in 4 slots, the 4 columns the
+    # lone row needs next, the widest of the three sources (rounded to 2), not the model's limits
+    widest = max(len(sources[i]) for i in (0, 1, 2))
+    assert (batch.slots, batch.capacity, batch.source_len) == (4, 4, widest + widest % 2)
     results.update(batch.generate_token())
     batch.concatenate([sources[3]], [3], [LIMIT])
     results.update(_drain(batch))
