@@ -33,10 +33,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.runtime import CPU, CUDA, ModelRuntime
-from service.runtime.device_slots import slot_graphs
 from service.runtime.lone_slots import LoneSlots, fixed_dimensions, lone_session
-
-__all__ = ["decode", "fixed_dimensions", "lone_row", "measure", "static_session"]
 from service.runtime.tensors import to_numpy
 
 _FLOAT_CACHES = ("tensor(float)", "tensor(float16)")
@@ -54,13 +51,6 @@ def static_session(model_dir: Path, runtime: ModelRuntime, cuda_graph: bool = Fa
 
 def _dimensions(runtime: ModelRuntime) -> dict[str, int]:
     return fixed_dimensions(runtime.max_target_len, runtime.max_source_len)
-
-
-def lone_row(session: ort.InferenceSession, runtime: ModelRuntime) -> LoneSlots:
-    """A lone slot (what the service decodes a lone request in) bound once to `session`."""
-    device, device_id = ("cuda", runtime.device_id) if runtime.provider == CUDA else ("cpu", 0)
-    return LoneSlots(slot_graphs(runtime.provider, device, device_id), session, runtime.n_decoder_layers,
-                     runtime.n_heads, runtime.head_dim, runtime.max_target_len, runtime.max_source_len)
 
 
 def decode(row: LoneSlots, runtime: ModelRuntime, source: list[int],
@@ -111,7 +101,7 @@ def measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]]
             continue
         seconds, steps, same, difference = 0.0, 0, 0, 0.0
         try:
-            row = lone_row(session, runtime)
+            row = LoneSlots.of(runtime, session)
             for i, source in enumerate(sources):
                 decode(row, runtime, source, limit)  # the first steps: warm-up, on CUDA the graph's capture
                 tokens, logits, took = decode(row, runtime, source, limit)

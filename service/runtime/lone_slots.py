@@ -21,14 +21,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
 
 from service.repository import graph_io
-from service.runtime.device_slots import DeviceSlots, SlotGraphs, step_element_types
+from service.runtime.device_slots import DeviceSlots, SlotGraphs, slot_graphs, step_element_types
 from service.runtime.providers import CUDA, execution_providers, session_options
 from service.runtime.tensors import Tensor
+
+if TYPE_CHECKING:
+    from service.runtime.model_runtime import ModelRuntime
 
 
 def fixed_dimensions(max_target_len: int, max_source_len: int) -> dict[str, int]:
@@ -89,6 +93,12 @@ class LoneSlots(DeviceSlots):
                                          strict=True):
             binding.bind_ortvalue_input(past, buffer)
             binding.bind_ortvalue_output(present, buffer)  # the same memory: in place
+
+    @classmethod
+    def of(cls, runtime: ModelRuntime, session: ort.InferenceSession) -> LoneSlots:
+        """The lone slot of `runtime` (on its device, at its model's limits) stepped by `session`."""
+        return cls(slot_graphs(runtime.provider, runtime.device, runtime.device_id), session, runtime.n_decoder_layers,
+                   runtime.n_heads, runtime.head_dim, runtime.max_target_len, runtime.max_source_len)
 
     def take(self) -> bool:
         """Claim the slot for one batch; False when another batch holds it."""

@@ -414,9 +414,7 @@ def _lone_slots(path: Path, runtime: ModelRuntime, threads: int) -> LoneSlots | 
         session = lone_session(path, runtime.provider, fixed_dimensions(runtime.max_target_len, runtime.max_source_len),
                                cuda_graph=runtime.provider == CUDA, threads=threads, device_id=runtime.device_id,
                                fold_dequantize=runtime.variant == "int8")
-        slots = LoneSlots(slot_graphs(runtime.provider, runtime.device, runtime.device_id), session,
-                          runtime.n_decoder_layers, runtime.n_heads, runtime.head_dim, runtime.max_target_len,
-                          runtime.max_source_len)
+        slots = LoneSlots.of(runtime, session)
         mask = np.zeros((1, slots.width), dtype=bool)
         mask[0, 0] = True
         for position in range(3):  # on zeros: onnxruntime runs, captures and replays the CUDA graph here

@@ -92,6 +92,10 @@ def cross_in_place(session: ort.InferenceSession) -> bool:
     return known
 
 
+# the devices that read a step session's bound cache and cross keys/values (`binding_kept`)
+_READERS: weakref.WeakKeyDictionary[ort.InferenceSession, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
 def binding_kept(session: ort.InferenceSession, device: str) -> bool:
     """Whether a binding of the step graph `session` to slot buffers on `device` ("cpu" or
     "cuda") may serve the steps after the one it was made for. onnxruntime copies a bound input
@@ -101,18 +105,21 @@ def binding_kept(session: ort.InferenceSession, device: str) -> bool:
     cache is read by the attention, which runs on CUDA for a session there when its type has a
     CUDA kernel (`STEP_CACHE_TYPES`) and on the CPU otherwise; the cross keys/values by the
     attention too when it reads each row's own source (`cross_in_place`), else by the session's
-    own provider."""
-    on_cuda = session.get_providers()[0] == CUDA
-    provider_device = "cuda" if on_cuda else "cpu"
-    types = {value.name: value.type for value in session.get_inputs()}
+    own provider. Each session's readers are worked out once."""
+    readers = _READERS.get(session)
+    if readers is None:
+        on_cuda = session.get_providers()[0] == CUDA
+        types = {value.name: value.type for value in session.get_inputs()}
 
-    def attention(kind: str) -> str:
-        return "cuda" if on_cuda and kind in STEP_CACHE_TYPES[CUDA] else "cpu"
+        def attention(kind: str) -> str:
+            return "cuda" if on_cuda and kind in STEP_CACHE_TYPES[CUDA] else "cpu"
 
-    cache, cross = graph_io.past_names(1)[0], graph_io.cross_names(1)[0]  # past_key.0, cross_key.0
-    readers = {attention(types.get(cache, "")),
-               attention(types.get(cross, "")) if cross_in_place(session) else provider_device}
+        cache, cross = graph_io.past_names(1)[0], graph_io.cross_names(1)[0]  # past_key.0, cross_key.0
+        readers = _READERS[session] = frozenset({
+            attention(types.get(cache, "")),
+            attention(types.get(cross, "")) if cross_in_place(session) else "cuda" if on_cuda else "cpu"})
     return readers == {device}
+
 
 
 class StepBinding:

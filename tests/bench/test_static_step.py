@@ -9,6 +9,7 @@ from pathlib import Path
 from bench import static_step
 from service.generation.search import generate
 from service.runtime import CPU, ModelRuntime
+from service.runtime.lone_slots import LoneSlots, fixed_dimensions
 
 
 def test_a_lone_row_with_fixed_shapes_decodes_as_the_dynamic_session(tiny_model_repository: Path,
@@ -17,10 +18,10 @@ def test_a_lone_row_with_fixed_shapes_decodes_as_the_dynamic_session(tiny_model_
     fixed = {i.name: i.shape for i in session.get_inputs()}
     assert (fixed["positions"], fixed["source_mask"], fixed["past_key.0"][2]) == \
         ([1, 1], [1, tiny_runtime.max_source_len], tiny_runtime.max_target_len)
-    fixed = static_step.fixed_dimensions(tiny_runtime.max_target_len, tiny_runtime.max_source_len)
+    fixed = fixed_dimensions(tiny_runtime.max_target_len, tiny_runtime.max_source_len)
     assert fixed == {"batch": 1, "capacity": tiny_runtime.max_target_len, "source_len": tiny_runtime.max_source_len}
     sources = [tiny_runtime.tokenizer.encode(text) + [tiny_runtime.eos_id] for text in ("abc de", "fg hij", "k")]
-    tokens, logits, seconds = static_step.decode(static_step.lone_row(session, tiny_runtime), tiny_runtime,
+    tokens, logits, seconds = static_step.decode(LoneSlots.of(tiny_runtime, session), tiny_runtime,
                                                  sources[0], 16)
     assert tokens == generate(tiny_runtime, sources[:1], 1, 16)[0].tokens  # request-level greedy's tokens
     assert tiny_runtime.tokenizer.decode(tokens).strip() == "ed cba"  # the tiny model reverses its input

@@ -29,12 +29,6 @@ EOS = 3
 
 
 @pytest.fixture(scope="module")
-def sources(trained_tiny) -> list[list[int]]:
-    return ([s + [EOS] for s in trained_tiny.valid.sources[:14]]
-            + [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS], [19] * 10 + [EOS]])
-
-
-@pytest.fixture(scope="module")
 def bound(tiny_model_repository) -> ModelRuntime:
     """The tiny repository with IO binding on the CPU: the encoder's cross keys/values come as
     OrtValues, as they do on CUDA."""

@@ -12,16 +12,9 @@ from service.generation.search import GenerationResult, generate
 from service.runtime import CPU, ModelRuntime
 from service.runtime.device_slots import DeviceSlots
 from service.runtime.lone_slots import LoneSlots
-from tests.service.batching.test_device_slots import EOS, _cuda_available, _limits, _schedule
+from tests.service.batching.test_device_slots import _cuda_available, _limits, _schedule
 
 LIMIT = 20
-
-
-@pytest.fixture(scope="module")
-def sources(trained_tiny) -> list[list[int]]:
-    """`test_device_slots`' sources (its schedules' seeds pick the lone rows)."""
-    return ([s + [EOS] for s in trained_tiny.valid.sources[:14]]
-            + [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS], [19] * 10 + [EOS]])
 
 
 @pytest.fixture(scope="module")

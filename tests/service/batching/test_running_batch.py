@@ -22,13 +22,6 @@ def make_batch(request: pytest.FixtureRequest):  # -> RunningBatch | SlotBatch c
     return BATCHES[request.param]
 
 
-@pytest.fixture(scope="module")
-def sources(trained_tiny) -> list[list[int]]:
-    """Validation sources of varied lengths plus two long ones the model does not stop on."""
-    return ([s + [3] for s in trained_tiny.valid.sources[:14]]
-            + [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 3], [19] * 10 + [3]])
-
-
 def _alone(runtime: ModelRuntime, source: list[int], limit: int) -> GenerationResult:
     return generate(runtime, [source], 1, limit)[0]
 

@@ -17,12 +17,6 @@ from service.runtime import ModelRuntime
 EOS = 3
 
 
-@pytest.fixture(scope="module")
-def sources(trained_tiny) -> list[list[int]]:
-    return ([s + [EOS] for s in trained_tiny.valid.sources[:14]]
-            + [[4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, EOS], [19] * 10 + [EOS]])
-
-
 def _alone(runtime: ModelRuntime, source: list[int], limit: int) -> GenerationResult:
     return generate(runtime, [source], 1, limit)[0]
 
