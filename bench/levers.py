@@ -75,10 +75,6 @@ VARIANTS: dict[str, list[str]] = {
     "onnxruntime threads spin between calls": ["--spinning"],
     "two onnxruntime threads per session (workers share them)": ["--threads", "2"],
     "onnxruntime CPU memory arena on": ["--cpu-memory-arena"],
-    "Python's own switch interval (5 ms)": ["--switch-interval-ms", "5"],
-    "switch interval 1 ms": ["--switch-interval-ms", "1"],
-    "two server processes, Python's own switch interval (5 ms)": [
-        "--workers", "2", "--batch-workers", "1", "--threads", "1", "--switch-interval-ms", "5"],
     "max_batch_tokens 16384": ["--max-batch-tokens", "16384"],
     "vocabulary shortlist at steps of at most 8 rows": ["--shortlist-rows", "8"],
     "vocabulary shortlist for a row decoding alone": ["--shortlist-rows", "1"],

@@ -29,7 +29,6 @@ CPU_BATCH_WORKERS_CONTINUOUS = 2
 # A step computes the vocabulary shortlist only while it holds at most this share of the
 # vocabulary (bench/results/shortlist/served: a longer one costs what it saves).
 SHORTLIST_SHARE = 0.25
-SWITCH_INTERVAL_MS = 0.2  # bench/README.md, "The interpreter's switch interval"
 
 
 def cpu_cores() -> int:
@@ -79,12 +78,6 @@ class Settings(BaseSettings):
     cpu_memory_arena: bool = Field(
         default=False, description="onnxruntime keeps its largest batch's CPU buffers (faster "
         "by a few %, but the RSS stays at its peak)",
-    )
-    switch_interval_ms: float = Field(
-        default=SWITCH_INTERVAL_MS, gt=0, le=100,
-        description="the interpreter's switch interval in each server process: how long a thread "
-        "that holds the interpreter lock may keep it from another that asks (a batch worker back "
-        "from onnxruntime, the event loop); Python's own is 5",
     )
 
     # Batching: greedy rows join a running batch between decoder steps (continuous), beam

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "batch_workers", "max_batch_size",
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "length_routing",
-    "max_join_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "switch_interval_ms", "step_graph", "lone_step", "gpu_memory_limit_mb",
+    "max_join_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "step_graph", "lone_step", "gpu_memory_limit_mb",
     "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
@@ -68,9 +68,6 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-memory-arena", action=argparse.BooleanOptionalAction,
                    help="let onnxruntime keep its largest batch's CPU buffers (default off: "
                    "lower RSS, a few %% slower)")
-    p.add_argument("--switch-interval-ms", type=float,
-                   help="the interpreter's switch interval in each server process: how long a thread may "
-                   "keep the interpreter lock from another that asks for it (default 0.2; Python's own: 5)")
     p.add_argument("--length-routing", action=argparse.BooleanOptionalAction,
                    help="with several batch workers, send a request to the one whose rows have "
                    "the closest source length among the nearly least loaded (default on; "
@@ -157,9 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from service.api.app import create_app
     from service.process.http import uvicorn_options
-    from service.process.workers import set_switch_interval
 
-    set_switch_interval(settings)
     if settings.metrics_port is not None:
         from service.observability.metrics_server import start_metrics_server
 

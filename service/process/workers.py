@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -45,13 +44,6 @@ def settings_environment(settings: Settings) -> dict[str, str]:
     return environment
 
 
-def set_switch_interval(settings: Settings) -> None:
-    """Set this server process's interpreter switch interval (`settings.switch_interval_ms`): a
-    thread asking for the interpreter lock (a batch worker back from onnxruntime with a step's
-    logits, the event loop with a request) waits at most that long for the thread holding it."""
-    sys.setswitchinterval(settings.switch_interval_ms / 1000)
-
-
 def app_from_environment() -> FastAPI:
     """The app of one worker, with the settings its parent wrote into the environment."""
     from service.api.app import create_app
@@ -59,9 +51,7 @@ def app_from_environment() -> FastAPI:
     if not logging.getLogger().handlers:  # a spawned worker: logging as `attnserve` sets it
         logging.basicConfig(level=os.environ.get(LOG_LEVEL_VARIABLE, "INFO").upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings()
-    set_switch_interval(settings)
-    return create_app(settings)
+    return create_app(Settings())
 
 
 def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) -> None:

@@ -166,28 +166,3 @@ def test_the_kubernetes_grace_period_covers_the_pre_stop_wait_and_the_drain() ->
     (container,) = pod["containers"]
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] >= pre_stop + Settings().drain_timeout_s
-
-
-def test_each_server_process_sets_the_interpreters_switch_interval(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
-    """`--switch-interval-ms` (ATTNSERVE_SWITCH_INTERVAL_MS, 0.2 by default) is set in the process
-    that serves (`attnserve serve`) and in each `--workers` process (`app_from_environment`)."""
-    import sys
-
-    from service.process.workers import app_from_environment, set_switch_interval
-
-    parse = build_parser().parse_args
-    assert commands.settings_from_args(parse(["serve"])).switch_interval_ms == 0.2
-    assert commands.settings_from_args(parse(["serve", "--switch-interval-ms", "1.5"])).switch_interval_ms == 1.5
-    with pytest.raises(ValidationError):
-        Settings(switch_interval_ms=0)
-    original = sys.getswitchinterval()
-    try:
-        set_switch_interval(Settings(switch_interval_ms=1.5))
-        assert sys.getswitchinterval() == pytest.approx(0.0015)
-        monkeypatch.setenv("ATTNSERVE_SWITCH_INTERVAL_MS", "2.5")
-        monkeypatch.setenv("ATTNSERVE_MODELS_DIR", str(tmp_path))
-        app_from_environment()
-        assert sys.getswitchinterval() == pytest.approx(0.0025)
-    finally:
-        sys.setswitchinterval(original)
