@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,20 @@ def tiny_data_dir(tiny_tokenizer: Path, tmp_path_factory: pytest.TempPathFactory
     reversed_texts = [tokenizer.decode(tokenizer.encode(t)[::-1]).strip() for t in texts]
     (data_dir / "train.tgt").write_text("\n".join(reversed_texts) + "\n", encoding="utf-8")
     return data_dir
+
+
+@pytest.fixture
+def tiny_repository_and_data(tiny_model_repository: Path, tiny_data_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of `tiny_model_repository` (to modify), and a copy of `tiny_data_dir` with a valid
+    split (its first 100 training pairs), as the commands that calibrate on it read them."""
+    copy = tmp_path / "tiny-reverse"
+    shutil.copytree(tiny_model_repository, copy)
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data_dir, data)
+    for side in ("src", "tgt"):
+        lines = (data / f"train.{side}").read_text(encoding="utf-8").splitlines()[:100]
+        (data / f"valid.{side}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return copy, data
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ benchmark's report."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import onnx
@@ -59,15 +58,9 @@ def test_fused_layer_norms_leave_no_add_before_a_layer_norm_and_decode_the_rever
     assert sum(actual[i] == reversal[i] for i in reversal) >= sum(expected[i] == reversal[i] for i in reversal) - 2
 
 
-def test_the_float_self_cache_keeps_the_cross_keys_and_values_int8(tiny_model_repository: Path, tiny_data_dir: Path,
+def test_the_float_self_cache_keeps_the_cross_keys_and_values_int8(tiny_repository_and_data: tuple[Path, Path],
                                                                    tmp_path: Path) -> None:
-    shipped = tmp_path / "tiny-reverse"
-    shutil.copytree(tiny_model_repository, shipped)
-    data = tmp_path / "data"
-    shutil.copytree(tiny_data_dir, data)
-    for side in ("src", "tgt"):
-        lines = (data / f"train.{side}").read_text(encoding="utf-8").splitlines()[:100]
-        (data / f"valid.{side}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    shipped, data = tiny_repository_and_data
     with pytest.raises(ValueError, match="int8 cache"):
         float_self_cache(_int8(shipped)[1])  # the float cache already
     assert add_int8_cache(shipped, data, calibration_rows=50, threads=1) is not None

@@ -6,7 +6,6 @@ measured or refuses and leaves the repository as it was."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import onnx
@@ -20,26 +19,13 @@ from service.repository.manifest import read_manifest, verify_files
 from service.runtime import CPU, ModelRuntime
 
 
-@pytest.fixture
-def repository(tiny_model_repository: Path, tiny_data_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """A copy of the tiny repository, and a data folder with its test split and a valid split."""
-    copy = tmp_path / "tiny-reverse"
-    shutil.copytree(tiny_model_repository, copy)
-    data = tmp_path / "data"
-    shutil.copytree(tiny_data_dir, data)
-    for side in ("src", "tgt"):
-        lines = (data / f"train.{side}").read_text(encoding="utf-8").splitlines()[:100]
-        (data / f"valid.{side}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return copy, data
-
-
 def _sources(runtime: ModelRuntime, data: Path) -> list[list[int]]:
     texts = (data / "test.src").read_text(encoding="utf-8").splitlines()
     return [ids + [runtime.eos_id] for ids in runtime.tokenizer.encode_batch(texts)]
 
 
-def test_the_rewritten_graph_takes_int8_and_lists_the_cross_scales(repository: tuple[Path, Path]) -> None:
-    directory, data = repository
+def test_the_rewritten_graph_takes_int8_and_lists_the_cross_scales(tiny_repository_and_data: tuple[Path, Path]) -> None:
+    directory, data = tiny_repository_and_data
     runtime = ModelRuntime.load(directory, [CPU], threads=1, variant="int8", step_graph=True)
     scales = calibrate(runtime, _sources(runtime, data)[:8])
     layers = runtime.n_decoder_layers
@@ -60,8 +46,8 @@ def test_the_rewritten_graph_takes_int8_and_lists_the_cross_scales(repository: t
     assert len(attention) == 2 * layers and all(len(n.input) == 14 for n in attention)
 
 
-def test_add_int8_cache_records_its_quality_and_quarters_the_slot_buffers(repository: tuple[Path, Path]) -> None:
-    directory, data = repository
+def test_add_int8_cache_records_its_quality_and_quarters_the_slot_buffers(tiny_repository_and_data: tuple[Path, Path]) -> None:
+    directory, data = tiny_repository_and_data
     before = ModelRuntime.load(directory, [CPU], threads=1, variant="int8", step_graph=True)
     sources = _sources(before, data)
     expected = dict(generate_running(before, list(enumerate(sources)), rows=8))
@@ -86,18 +72,18 @@ def test_add_int8_cache_records_its_quality_and_quarters_the_slot_buffers(reposi
     assert add_int8_cache(directory, data, calibration_rows=50, threads=1) is None  # present already
 
 
-def test_a_quality_drop_over_the_bound_leaves_the_repository_as_it_was(repository: tuple[Path, Path]) -> None:
-    directory, data = repository
+def test_a_quality_drop_over_the_bound_leaves_the_repository_as_it_was(tiny_repository_and_data: tuple[Path, Path]) -> None:
+    directory, data = tiny_repository_and_data
     files = {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
     with pytest.raises(QualityDrop, match="^bleu "):
         add_int8_cache(directory, data, calibration_rows=50, max_drop=-100.0, threads=1)  # any result is a drop
     assert {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()} == files
 
 
-def test_a_summarizer_is_held_to_every_rouge_score(repository: tuple[Path, Path]) -> None:
+def test_a_summarizer_is_held_to_every_rouge_score(tiny_repository_and_data: tuple[Path, Path]) -> None:
     """The tiny reversal model as a summarizer: its record has ROUGE scores, and a drop bound no
     score can meet names the first ROUGE measure."""
-    directory, data = repository
+    directory, data = tiny_repository_and_data
     manifest_file = directory / "manifest.json"
     values = json.loads(manifest_file.read_text(encoding="utf-8"))
     values["task"] = "summarize"
