@@ -68,6 +68,10 @@ VARIANTS: dict[str, list[str]] = {
     "request-level (dynamic) batching": ["--no-continuous-batching"],
     "request-level batching, two batch workers": ["--no-continuous-batching", "--batch-workers", "2"],
     "continuous, rows join at once (no groups)": ["--max-join-wait-ms", "0"],
+    "two server processes, rows join at once (no groups)": [
+        "--workers", "2", "--batch-workers", "1", "--threads", "1", "--max-join-wait-ms", "0"],
+    "two server processes, a group waits at most 20 ms": [
+        "--workers", "2", "--batch-workers", "1", "--threads", "1", "--max-join-wait-ms", "20"],
     "continuous, a group waits at most 30 ms": ["--max-join-wait-ms", "30"],
     "continuous, a group waits at most 300 ms": ["--max-join-wait-ms", "300"],
     "continuous, rows join a batch of any age": ["--max-join-age", "0"],
