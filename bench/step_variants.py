@@ -46,11 +46,11 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from bench import machine
+from export.kv_cache import QUANT_ATTRIBUTES, SCALE_INPUTS, has_int8_cache
 from service.repository import graph_io
 from service.repository.manifest import read_manifest, write_manifest
 
 SHIPPED = "shipped"
-QUANT_ATTRIBUTES = ("k_quant_type", "v_quant_type", "kv_cache_bit_width")
 ATTENTION_SHAPES = ((1, 8, 64), (1, 32, 64), (64, 8, 64), (64, 32, 64), (64, 32, 256), (64, 64, 128))  # rows, length, capacity
 ATTENTION_CACHES = {"int8": TensorProto.INT8, "float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 HEADS, HEAD_DIM = 4, 64
@@ -80,8 +80,6 @@ def float_self_cache(graph: onnx.ModelProto) -> onnx.ModelProto:
     """The int8-cache step graph `graph` (`export.kv_cache.int8_cache_graph`) with its
     self-attention cache in float32: the self-attention nodes lose their scales and quantization
     attributes, the past/present inputs and outputs become float; the cross keys/values stay int8."""
-    from export.kv_cache import has_int8_cache
-
     if not has_int8_cache(graph):
         raise ValueError("this step graph has no int8 cache (export.kv_cache)")
     graph = onnx.ModelProto.FromString(graph.SerializeToString())
@@ -90,7 +88,7 @@ def float_self_cache(graph: onnx.ModelProto) -> onnx.ModelProto:
     for node in body.node:
         if node.op_type != "GroupQueryAttention" or not node.input[3].startswith("past_key."):
             continue
-        inputs = list(node.input)[:-2]  # the key and value scales go
+        inputs = list(node.input)[:SCALE_INPUTS]  # the key and value scales go
         while inputs and not inputs[-1]:
             inputs.pop()
         del node.input[:]
@@ -152,9 +150,9 @@ def _attention_graph(cache: int) -> bytes:
     names = ["q", "k", "v", "pk", "pv", "lengths", "total"]
     attributes: dict[str, Any] = {"num_heads": HEADS, "kv_num_heads": HEADS}
     initializers = []
-    if cache == TensorProto.INT8:
-        names += ["", "", "", "", "", "key_scale", "value_scale"]
-        attributes.update(k_quant_type="PER_TENSOR", v_quant_type="PER_TENSOR", kv_cache_bit_width=8)
+    if cache == TensorProto.INT8:  # as export.kv_cache makes it
+        names += [""] * (SCALE_INPUTS - len(names)) + ["key_scale", "value_scale"]
+        attributes.update(QUANT_ATTRIBUTES)
         initializers = [helper.make_tensor(name, TensorProto.FLOAT, [1], [0.05]) for name in ("key_scale", "value_scale")]
     node = helper.make_node("GroupQueryAttention", names, ["out", "present_k", "present_v"], domain="com.microsoft",
                             **attributes)
