@@ -19,7 +19,10 @@ own models when `--models` is a relative path) in the same turns: a change to th
 models measured against the commit before it.
 
 Each run records the server's CPU seconds and, of them, its event loop's (the main thread's:
-HTTP, validation, tokenization, responses) per request; the rest is the batch workers'.
+HTTP, validation, tokenization, responses) per request; the rest is the batch workers'. It also
+records the load generator's CPU per request (this process's while the load runs: the load
+generator's, and a sampler of the server's memory ten times a second), which takes its share of
+the server's cores when both run on one machine.
 
 With `--ctranslate2`, CTranslate2 int8 `translate_batch` on the same weights and sentences
 (in-process, no HTTP: the reference of the throughput target) runs in the same turns, and
@@ -42,6 +45,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -128,10 +132,12 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
         assert server.process is not None
         cpu_before = _cpu_seconds(server.process.pid)
         loop_before = _event_loop_cpu_seconds(server.process.pid)
+        generator_before = time.process_time()  # this process's CPU: the load generator's
         if rate is None:
             result = asyncio.run(load.closed_loop(url, load.text_bodies(texts), concurrency))
         else:
             result = asyncio.run(load.open_loop(url, load.text_bodies(texts), rate, duration_s))
+        generator_cpu = time.process_time() - generator_before
         cards = httpx.get(server.url + "/v1/models", timeout=10).json()["models"]
         cpu = _cpu_seconds(server.process.pid) - cpu_before
         loop_cpu = _event_loop_cpu_seconds(server.process.pid) - loop_before
@@ -142,6 +148,7 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
     answered = max(len(result.samples), 1)
     return {**stats, "flags": flags, "server_cpu_s": round(cpu, 2), "event_loop_cpu_s": round(loop_cpu, 2),
             "event_loop_ms_per_request": round(1000 * loop_cpu / answered, 3),
+            "load_generator_ms_per_request": round(1000 * generator_cpu / answered, 3),
             "peak_rss_mb": round(peak, 1), "batching": batching}
 
 
@@ -221,8 +228,9 @@ def markdown(results: dict[str, Any]) -> str:
              f"Command: `{results['command']}`", "",
              f"Machine: {results['machine'].get('cpu', '?')}, {results['machine'].get('cpu_count', '?')} cores", "",
              ("| variant | flags | sentences/s | p50 s | p95 s | server CPU s | event loop ms/request "
-              "| joins (batches) | peak RSS MB, all runs | batch cache MB, most | failed requests, all runs | vs CTranslate2 |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| load generator ms/request | joins (batches) | peak RSS MB, all runs | batch cache MB, most "
+              "| failed requests, all runs | vs CTranslate2 |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     reference = results.get("ctranslate2")
     single = bool(reference and reference.get("single"))
     if single:
@@ -236,7 +244,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | `{' '.join(run['flags']) or '-'}` | {run['sentences_per_s']:.1f} "
                      f"({min(speeds):.1f}-{max(speeds):.1f}) | "
                      f"{run['latency_p50_s']:.3f} | {run['latency_p95_s']:.3f} | {run['server_cpu_s']:.1f} | "
-                     f"{_loop_ms(run)} | {run['batching']['batches']} | {_rss_range(run)} | {_cache_mb(run)} "
+                     f"{_loop_ms(run)} | {_loop_ms(run, 'load_generator_ms_per_request')} | "
+                     f"{run['batching']['batches']} | {_rss_range(run)} | {_cache_mb(run)} "
                      f"| {sum(r.get('errors', 0) for r in run['runs'])} | {ratio} |")
     if reference:
         speeds = [r["sentences_per_s"] for r in reference["runs"]]
@@ -246,11 +255,11 @@ def markdown(results: dict[str, Any]) -> str:
             setting = f"{reference.get('replicas', 1)} replica(s) x {reference.get('intra_threads', 0) or 'default'} threads"
             lines.append(f"| CTranslate2 int8, one sentence per call (in-process, {setting}) | - | "
                          f"{reference['sentences_per_s']:.1f} ({min(speeds):.1f}-{max(speeds):.1f}) | "
-                         f"{reference['latency_p50_s']:.3f} | {reference['latency_p95_s']:.3f} | - | - | - | - | - | - | 1.00 |")
+                         f"{reference['latency_p50_s']:.3f} | {reference['latency_p95_s']:.3f} | - | - | - | - | - | - | - | 1.00 |")
         else:
             lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, {setting}) | - | "
                          f"{reference['sentences_per_s']:.1f} "
-                         f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | - | - | - | 1.00 |")
+                         f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | - | - | - | - | 1.00 |")
     tuning = results.get("ctranslate2_tuning")
     if tuning:
         def point(p: dict[str, Any]) -> str:
@@ -266,12 +275,13 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _loop_ms(run: dict[str, Any]) -> str:
-    """The event loop's CPU ms per request: the median run's (min-max over the runs)."""
-    values = [r["event_loop_ms_per_request"] for r in run["runs"] if "event_loop_ms_per_request" in r]
+def _loop_ms(run: dict[str, Any], key: str = "event_loop_ms_per_request") -> str:
+    """A run's CPU ms per request, the event loop's (or another `key`: the load generator's): the
+    median run's (min-max over the runs)."""
+    values = [r[key] for r in run["runs"] if key in r]
     if not values:
         return "-"
-    return f"{run['event_loop_ms_per_request']:.2f} ({min(values):.2f}-{max(values):.2f})"
+    return f"{run[key]:.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _run_in_turns(args: argparse.Namespace, workload: workload_module.Workload,

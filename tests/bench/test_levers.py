@@ -40,8 +40,11 @@ def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_pat
     assert "| request-level (dynamic) batching | `--no-continuous-batching` |" in table
     row = next(line for line in table.splitlines() if line.startswith("| defaults (continuous batching) |"))
     cells = [cell.strip() for cell in row.split("|")[1:-1]]
-    low, high = (float(mb) for mb in cells[8].split("-"))  # peak RSS over the two runs
-    assert 0 < low <= high and float(cells[9]) == round(continuous["batching"]["max_cache_bytes"] / 2**20, 1)
+    low, high = (float(mb) for mb in cells[9].split("-"))  # peak RSS over the two runs
+    assert 0 < low <= high and float(cells[10]) == round(continuous["batching"]["max_cache_bytes"] / 2**20, 1)
+    # the load generator's CPU per request, beside the server's event loop's
+    assert continuous["load_generator_ms_per_request"] > 0
+    assert cells[7].startswith(f"{continuous['load_generator_ms_per_request']:.2f} (")
 
 
 def test_levers_time_ctranslate2_in_the_same_turns(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
