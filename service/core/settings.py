@@ -28,6 +28,7 @@ CPU_BATCH_WORKERS = 3  # request-level batching
 CPU_BATCH_WORKERS_CONTINUOUS = 2
 # A step computes the vocabulary shortlist only while it holds at most this share of the
 # vocabulary (bench/results/shortlist/served: a longer one costs what it saves).
+SHORTLIST_ROWS = 1  # a row decoding alone: bench/README.md, "The shortlist for a lone row by default"
 SHORTLIST_SHARE = 0.25
 
 
@@ -114,11 +115,11 @@ class Settings(BaseSettings):
         "oldest row's (0 = any age)",
     )
     shortlist_rows: int = Field(
-        default=0, ge=0, description="continuous, on the CPU: a decoder step of at most this "
+        default=SHORTLIST_ROWS, ge=0, description="continuous, on the CPU: a decoder step of at most this "
         "many rows computes only the logits of the batch's vocabulary shortlist (while it holds "
         "at most `shortlist_share` of the vocabulary), when the model's repository has one "
-        "(`attnserve add-shortlist`); an approximation, off by default (0: always the whole "
-        "vocabulary; 1, a row decoding alone, is the measured choice)",
+        "(`attnserve add-shortlist`); an approximation whose cost the manifest records (1, the "
+        "default: a row decoding alone, the measured choice; 0: always the whole vocabulary)",
     )
     shortlist_share: float = Field(
         default=SHORTLIST_SHARE, gt=0, le=1, description="continuous: the largest share of the vocabulary "
