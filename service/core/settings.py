@@ -26,9 +26,9 @@ BATCH_TOKENS = {CPU_PROVIDER: 8192, "CUDAExecutionProvider": 32768}
 # (continuous batching) takes newcomers itself, and a worker per core gives it the lower latency.
 CPU_BATCH_WORKERS = 3  # request-level batching
 CPU_BATCH_WORKERS_CONTINUOUS = 2
+SHORTLIST_ROWS = 1  # a row decoding alone: bench/README.md, "The shortlist for a lone row by default"
 # A step computes the vocabulary shortlist only while it holds at most this share of the
 # vocabulary (bench/results/shortlist/served: a longer one costs what it saves).
-SHORTLIST_ROWS = 1  # a row decoding alone: bench/README.md, "The shortlist for a lone row by default"
 SHORTLIST_SHARE = 0.25
 
 
