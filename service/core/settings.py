@@ -26,7 +26,6 @@ BATCH_TOKENS = {CPU_PROVIDER: 8192, "CUDAExecutionProvider": 32768}
 # (continuous batching) takes newcomers itself, and a worker per core gives it the lower latency.
 CPU_BATCH_WORKERS = 3  # request-level batching
 CPU_BATCH_WORKERS_CONTINUOUS = 2
-SHORTLIST_ROWS = 1  # a row decoding alone: bench/README.md, "The shortlist for a lone row by default"
 # A step computes the vocabulary shortlist only while it holds at most this share of the
 # vocabulary (bench/results/shortlist/served: a longer one costs what it saves).
 SHORTLIST_SHARE = 0.25
@@ -115,11 +114,11 @@ class Settings(BaseSettings):
         "oldest row's (0 = any age)",
     )
     shortlist_rows: int = Field(
-        default=SHORTLIST_ROWS, ge=0, description="continuous, on the CPU: a decoder step of at most this "
+        default=0, ge=0, description="continuous, on the CPU: a decoder step of at most this "
         "many rows computes only the logits of the batch's vocabulary shortlist (while it holds "
         "at most `shortlist_share` of the vocabulary), when the model's repository has one "
-        "(`attnserve add-shortlist`); an approximation whose cost the manifest records (1, the "
-        "default: a row decoding alone, the measured choice; 0: always the whole vocabulary)",
+        "(`attnserve add-shortlist`); an approximation, off by default (0: always the whole "
+        "vocabulary; 1, a row decoding alone: a lone request's choice, slower under a moderate load)",
     )
     shortlist_share: float = Field(
         default=SHORTLIST_SHARE, gt=0, le=1, description="continuous: the largest share of the vocabulary "

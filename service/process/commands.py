@@ -87,8 +87,8 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    "has run at most this many decoder steps (default 24; 0: any)")
     p.add_argument("--shortlist-rows", type=int,
                    help="continuous batching: steps of at most this many rows compute only the "
-                   "vocabulary shortlist's logits, for models that ship one (default 1: a row decoding alone, the measured "
-                   "choice; 0: never)")
+                   "vocabulary shortlist's logits, for models that ship one (default 0: never; 1: a row decoding alone, "
+                   "faster for lone requests, slower under a moderate load)")
     p.add_argument("--shortlist-share", type=float,
                    help="continuous batching: the shortlist is used while it holds at most this share of "
                    "the vocabulary (default 0.25)")
