@@ -86,9 +86,6 @@ VARIANTS: dict[str, list[str]] = {
     "max_batch_tokens 16384": ["--max-batch-tokens", "16384"],
     "vocabulary shortlist at steps of at most 8 rows": ["--shortlist-rows", "8"],
     "vocabulary shortlist for a row decoding alone": ["--shortlist-rows", "1"],
-    "no vocabulary shortlist": ["--shortlist-rows", "0"],
-    "two server processes, no vocabulary shortlist": [
-        "--workers", "2", "--batch-workers", "1", "--threads", "1", "--shortlist-rows", "0"],
     "greedy results scored (a log-softmax per step)": ["--greedy-scores"],
     "request-level batching, greedy results scored": ["--no-continuous-batching", "--greedy-scores"],
 }

@@ -121,7 +121,6 @@ def binding_kept(session: ort.InferenceSession, device: str) -> bool:
     return readers == {device}
 
 
-
 class StepBinding:
     """The step graph bound to the first `count` rows of host buffers: each layer's past and
     present to the same cache buffer, the cross keys/values (and, for a graph whose
