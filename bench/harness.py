@@ -281,8 +281,8 @@ def run_naive(config: BenchConfig, models: dict[str, Path], workloads: dict[str,
 def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path], workloads: dict[str, Workload],
                                    results: dict[str, Any]) -> None:
     """ONNX in-process: the service's default variant at each batch size and length-sorted at the
-    largest; on the CPU its grid (`in_process.settings_grid`: both engines at the batch sizes of
-    at least 32, with each replicas x threads pair; `best` is what the targets compare); fp32 at
+    largest; on the CPU its grid (`in_process.settings_grid`: every engine at the batch sizes of
+    at least 32, with each replicas x threads pair, the running ones joining at 1 and a quarter; `best` is what the targets compare); fp32 at
     the largest (the int8 lever, and the reference CTranslate2 is compared with); then
     CTranslate2 fp32/int8, greedy/beam 4, and agreement."""
     from bench import in_process

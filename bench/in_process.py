@@ -78,16 +78,21 @@ class InProcessSettings:
     batch of `size` slots taking the sources in workload order, as the server takes requests;
     `running-sorted`: the same taking them shortest first, as `batches` and CTranslate2's
     `translate_batch` order a list they are given), `replicas` (threads, each running its own batches, taking the work from
-    one shared queue as it goes) and `threads` (intra-op threads of the sessions they share)."""
+    one shared queue as it goes), `threads` (intra-op threads of the sessions they share) and, for
+    the running engines, `join_at` (newcomers take the free slots once at least that many are
+    free, as the server's join policy groups them; `generate_running`)."""
 
     engine: str
     size: int
     replicas: int = 1
     threads: int = 1
+    join_at: int = 1
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES or min(self.size, self.replicas, self.threads) < 1:
-            raise ValueError(f"engine one of {ENGINES}, size, replicas and threads >= 1: {self}")
+        if self.engine not in ENGINES or min(self.size, self.replicas, self.threads, self.join_at) < 1:
+            raise ValueError(f"engine one of {ENGINES}, size, replicas, threads and join_at >= 1: {self}")
+        if self.join_at > 1 and (self.engine == "batches" or self.join_at > self.size):
+            raise ValueError(f"join_at is for a running engine, at most its size: {self}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,9 +110,12 @@ def thread_grid(cores: int | None = None) -> list[tuple[int, int]]:
 
 
 def settings_grid(sizes: Sequence[int] = (32, 64), cores: int | None = None) -> list[InProcessSettings]:
-    """Both engines at every size of `sizes` with every pair of `thread_grid`."""
-    return [InProcessSettings(engine, size, replicas, threads) for replicas, threads in thread_grid(cores)
-            for engine in ENGINES for size in sizes]
+    """Every engine at every size of `sizes` with every pair of `thread_grid`; the running engines
+    also with newcomers joining once a quarter of the slots is free (the server's join group,
+    `service.batching.policy.BatchLimits.join_rows`)."""
+    return [InProcessSettings(engine, size, replicas, threads, join_at)
+            for replicas, threads in thread_grid(cores) for engine in ENGINES for size in sizes
+            for join_at in dict.fromkeys((1, *((max(1, size // 4),) if engine != "batches" else ())))]
 
 
 class _Shared(Generic[T]):
@@ -160,7 +168,7 @@ def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InPr
         feed = _Shared(timed())
 
         def replica() -> None:
-            for i, result in generate_running(runtime, feed, settings.size, limit):
+            for i, result in generate_running(runtime, feed, settings.size, limit, join_at=settings.join_at):
                 with lock:
                     latencies.append(time.perf_counter() - joined[i])
                     outputs[i] = result
@@ -191,12 +199,11 @@ def run_grid(model_dir: Path, sources: list[list[int]], grid: Sequence[InProcess
 
 
 def parse_settings(text: str) -> InProcessSettings:
-    """`ENGINE:SIZE:REPLICAS:THREADS` (e.g. `running:64:2:1`) as settings."""
+    """`ENGINE:SIZE:REPLICAS:THREADS[:JOIN_AT]` (e.g. `running:64:2:1`, `running:64:2:1:16`) as settings."""
     engine, *numbers = text.split(":")
-    if len(numbers) != 3 or not all(n.isdigit() for n in numbers):
-        raise ValueError(f"expected ENGINE:SIZE:REPLICAS:THREADS, got {text!r}")
-    size, replicas, threads = map(int, numbers)
-    return InProcessSettings(engine, size, replicas, threads)
+    if len(numbers) not in (3, 4) or not all(n.isdigit() for n in numbers):
+        raise ValueError(f"expected ENGINE:SIZE:REPLICAS:THREADS[:JOIN_AT], got {text!r}")
+    return InProcessSettings(engine, *map(int, numbers))
 
 
 def turns(model_dir: Path, sources: list[list[int]], points: Sequence[InProcessSettings],
@@ -231,14 +238,15 @@ def _stats(runtime: ModelRuntime, sources: list[list[int]], settings: InProcessS
 
 
 def _name(settings: InProcessSettings) -> str:
-    return f"{settings.engine}:{settings.size}:{settings.replicas}:{settings.threads}"
+    name = f"{settings.engine}:{settings.size}:{settings.replicas}:{settings.threads}"
+    return name if settings.join_at == 1 else f"{name}:{settings.join_at}"
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The turns as a markdown table: each run's median sentences/s and its range, and the ratio."""
     lines = ["# In-process runs in alternating turns", "", f"Command: `{result['command']}`", "",
              f"{result['sentences']} sentences of the {result.get('split', 'test')} set, {result['turns']} turns (A B C, C B A, ...), greedy, int8.", "",
-             "| run (engine:size:replicas:threads) | sentences/s, median (range) | per turn |", "|---|---|---|"]
+             "| run (engine:size:replicas:threads[:join_at]) | sentences/s, median (range) | per turn |", "|---|---|---|"]
     for name, values in result["sentences_per_s"].items():
         lines.append(f"| {name} | {statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f}) | "
                      f"{', '.join(f'{v:.1f}' for v in values)} |")
@@ -257,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--split", choices=SPLITS, default="test",
                         help="the sentences: the test split or the other set (<data-dir>/<model>/<split>.src)")
     parser.add_argument("--points", nargs="+", default=["running:64:2:1", "batches:32:2:1"],
-                        help="ENGINE:SIZE:REPLICAS:THREADS each (default: the grid's best two points)")
+                        help="ENGINE:SIZE:REPLICAS:THREADS[:JOIN_AT] each (default: the grid's best two points)")
     parser.add_argument("--ctranslate2-setting", nargs=4, metavar=("REPLICAS", "THREADS", "BATCH", "TYPE"),
                         help="also CTranslate2 int8 translate_batch at this setting (e.g. 2 1 32 examples)")
     parser.add_argument("--turns", type=int, default=5)

@@ -107,11 +107,13 @@ def in_process_grid_table(in_process: dict[str, Any]) -> list[str]:
         return []
     return _points_table(points, ("ONNX in-process over its tuning grid (`batches`: request-level batches of similar "
                                   "length; `running`: a running batch of that many slots, taking the sentences in order; "
-                                  "`running-sorted`: the same, shortest first; the best point is compared in the "
-                                  "targets):"),
-                         ["engine", "size", "replicas", "threads", "sentences/s", "p50 s"],
+                                  "`running-sorted`: the same, shortest first; join at: newcomers take the free slots "
+                                  "once that many are free; the best point is compared in the targets):"),
+                         ["engine", "size", "replicas", "threads", "join at", "sentences/s", "p50 s"],
                          lambda p: [p["settings"]["engine"], p["settings"]["size"], p["settings"]["replicas"],
-                                    p["settings"]["threads"], _cell(p["sentences_per_s"]), _cell(p["latency_p50_s"])])
+                                    p["settings"]["threads"],
+                                    p["settings"].get("join_at", 1) if p["settings"]["engine"] != "batches" else "",
+                                    _cell(p["sentences_per_s"]), _cell(p["latency_p50_s"])])
 
 
 def grid_table(ct2: dict[str, Any]) -> list[str]:

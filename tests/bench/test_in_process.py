@@ -44,6 +44,8 @@ def test_the_grid_covers_the_cores_with_both_engines() -> None:
     grid = settings_grid((32, 64), cores=2)
     assert {(s.replicas, s.threads) for s in grid} == {(1, 2), (2, 1)}
     assert {(s.engine, s.size) for s in grid} == {(e, n) for e in ENGINES for n in (32, 64)}
+    assert {(s.engine, s.size, s.join_at) for s in grid if s.join_at > 1} == {
+        (e, n, n // 4) for e in ENGINES if e != "batches" for n in (32, 64)}
     assert (2, 2) in {(s.replicas, s.threads) for s in settings_grid((32,), cores=4)}
     with pytest.raises(ValueError, match="engine"):
         InProcessSettings("beams", 32)
@@ -93,11 +95,41 @@ def test_run_grid_reports_every_point_and_the_best(tiny_model_repository) -> Non
     assert result["best"]["sentences_per_s"] == max(p["sentences_per_s"] for p in result["points"])
 
 
-def test_parse_settings_reads_engine_size_replicas_threads() -> None:
+def test_parse_settings_reads_engine_size_replicas_threads_and_join_at() -> None:
     assert parse_settings("running:64:2:1") == InProcessSettings("running", 64, 2, 1)
-    for bad in ("running:64:2", "running:a:2:1", "beams:64:2:1"):
+    assert parse_settings("running-sorted:64:2:1:16") == InProcessSettings("running-sorted", 64, 2, 1, join_at=16)
+    for bad in ("running:64:2", "running:a:2:1", "beams:64:2:1", "batches:32:2:1:8", "running:8:2:1:9",
+                "running:64:2:1:0", "running:64:2:1:16:1"):
         with pytest.raises(ValueError):
             parse_settings(bad)
+
+
+@pytest.mark.parametrize("join_at", [1, 3])
+def test_a_running_batch_takes_newcomers_once_join_at_slots_are_free(
+        tiny_runtime, monkeypatch: pytest.MonkeyPatch, join_at: int) -> None:
+    """Every join after the first fills at least `join_at` free slots (the feed's last sources
+    excepted); the outputs are the same as one by one."""
+    from service.batching.slot_batch import SlotBatch
+
+    groups: list[int] = []
+    real = SlotBatch.concatenate
+
+    def recording(self, sources, *args, **kwargs):  # type: ignore[no-untyped-def]
+        groups.append(len(sources))
+        return real(self, sources, *args, **kwargs)
+
+    monkeypatch.setattr(SlotBatch, "concatenate", recording)
+    rng = random.Random(2)
+    sources = [[rng.randrange(4, 20) for _ in range(rng.randrange(3, 9))] + [tiny_runtime.eos_id]
+               for _ in range(23)]
+    _, outputs = run_settings(tiny_runtime, sources, InProcessSettings("running", 4, 1, 1, join_at=join_at))
+    one_by_one = [generate(tiny_runtime, [s], 1, tiny_runtime.max_target_len)[0] for s in sources]
+    assert [o.tokens for o in outputs] == [o.tokens for o in one_by_one]
+    assert groups[0] == 4 and sum(groups) == len(sources)
+    if join_at == 1:
+        assert min(groups[1:]) < 3  # rows leaving one at a time let newcomers in one at a time
+    else:
+        assert min(groups[1:-1]) >= join_at
 
 
 def test_turns_alternate_and_give_the_best_point_over_ctranslate2(tiny_model_repository) -> None:
@@ -114,6 +146,8 @@ def test_turns_alternate_and_give_the_best_point_over_ctranslate2(tiny_model_rep
     ours = [max(result["sentences_per_s"][p][t] for p in ("running:2:1:1", "batches:2:1:1")) for t in range(2)]
     assert result["ratio_per_turn"] == [round(ours[0] / 100, 3), round(ours[1] / 50, 3)]
     assert "**" in markdown({**result, "command": "x"})
+    assert turns(tiny_model_repository, sources, [InProcessSettings("running", 2, 1, 1, join_at=2)], 1)[
+        "sentences_per_s"].keys() == {"running:2:1:1:2"}
 
 
 def test_turns_run_the_points_on_another_repository_in_the_same_turns(tiny_model_repository) -> None:
