@@ -68,6 +68,10 @@ VARIANTS: dict[str, list[str]] = {
     # each process has its own models, event loop and interpreter lock (`--workers`)
     "two server processes, one batch worker and thread each": [
         "--workers", "2", "--batch-workers", "1", "--threads", "1"],
+    "three server processes, one batch worker and thread each": [
+        "--workers", "3", "--batch-workers", "1", "--threads", "1"],
+    "two server processes, max_batch_size 32 (groups of 8 join)": [
+        "--workers", "2", "--batch-workers", "1", "--threads", "1", "--max-batch-size", "32"],
     "batch workers take the least loaded, not by length": ["--no-length-routing"],
     "request-level (dynamic) batching": ["--no-continuous-batching"],
     "request-level batching, two batch workers": ["--no-continuous-batching", "--batch-workers", "2"],
