@@ -282,9 +282,10 @@ def run_in_process_and_ctranslate2(config: BenchConfig, models: dict[str, Path],
                                    results: dict[str, Any]) -> None:
     """ONNX in-process: the service's default variant at each batch size and length-sorted at the
     largest; on the CPU its grid (`in_process.settings_grid`: every engine at the batch sizes of
-    at least 32, with each replicas x threads pair, the running ones joining at 1 and a quarter; `best` is what the targets compare); fp32 at
-    the largest (the int8 lever, and the reference CTranslate2 is compared with); then
-    CTranslate2 fp32/int8, greedy/beam 4, and agreement."""
+    at least 32, with each replicas x threads pair, the running ones joining one by one and in
+    groups of a quarter; `best` is what the targets compare); fp32 at the largest (the int8
+    lever, and the reference CTranslate2 is compared with); then CTranslate2 fp32/int8,
+    greedy/beam 4, and agreement."""
     from bench import in_process
 
     largest = max(config.batch_sizes)
