@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -34,6 +33,7 @@ import httpx
 
 from bench.load import LoadResult, closed_loop
 from bench.machine import describe
+from bench.servers import HOST, ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"text": "the quick brown fox"}
@@ -41,52 +41,27 @@ FAKE_ENV = {"ATTNSERVE_FAKE_DELAY_S": "0.02", "ATTNSERVE_MAX_BATCH_SIZE": "8",
             "ATTNSERVE_BATCH_WORKERS": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
-    """The server process; yields its base URL and pid."""
+    """The server process (`bench.servers.ServerProcess`, its log in `<out>/<name>-server.log`);
+    yields its base URL and pid."""
     port = free_port()
-    env = {**os.environ, "ATTNSERVE_HEADER_TIMEOUT_S": str(args.header_timeout_s),
+    env = {"ATTNSERVE_HEADER_TIMEOUT_S": str(args.header_timeout_s),
            "ATTNSERVE_BODY_TIMEOUT_S": str(args.body_timeout_s)}
     if args.models is None:
         env.update(FAKE_ENV)
         command = [sys.executable, "-m", "uvicorn", "tests.service.load_app:create_load_app",
                    "--factory", "--http", "service.process.http:GuardedProtocol", "--host",
-                   "127.0.0.1", "--port", str(port), "--no-access-log", "--log-level", "warning"]
+                   HOST, "--port", str(port), "--no-access-log", "--log-level", "warning"]
     else:
         script = shutil.which("attnserve", path=str(Path(sys.executable).parent)) \
             or shutil.which("attnserve")
-        command = [*([script] if script else [sys.executable, "-m", "service.cli"]),
-                   "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", str(port),
+        command = [*([script] if script else [sys.executable, "-m", "attnserve.cli"]),
+                   "--log-level", "WARNING", "serve", "--host", HOST, "--port", str(port),
                    "--models", str(args.models)]
-    process = subprocess.Popen(command, cwd=ROOT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise SystemExit("the server exited")
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("the server did not turn ready")
-            time.sleep(0.2)
-        yield base, process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    with ServerProcess(command, port, (args.out / f"{args.name}-server.log").resolve(), env=env, cwd=ROOT) as process:
+        assert process.process is not None
+        yield process.url, process.process.pid
 
 
 def open_fds(pid: int) -> int:
