@@ -33,9 +33,9 @@ def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_pat
     assert continuous["sentences"] == dynamic["sentences"] == 8
     assert continuous["errors"] == dynamic["errors"] == 0
     assert continuous["batching"]["continuous"] and not dynamic["batching"]["continuous"]
-    # CPU time comes in clock ticks: 8 tiny requests may take less than one (`_cpu_seconds` is
-    # tested on a child that spins below)
-    assert dynamic["flags"] == ["--no-continuous-batching"] and continuous["server_cpu_s"] >= 0
+    # the server's CPU is not asserted here: it comes in clock ticks, and 8 tiny requests may take
+    # less than one (`_cpu_seconds` is tested on a child that spins, below)
+    assert dynamic["flags"] == ["--no-continuous-batching"]
     # the running batch's key/value memory; request-level batches hold none between requests
     assert continuous["batching"]["max_cache_bytes"] > 0 == dynamic["batching"]["max_cache_bytes"]
     table = (out / "levers.md").read_text(encoding="utf-8")
