@@ -8,13 +8,15 @@
    latency), and at the top one
    with each other `--service-batch-sizes` as its rows per batch (on CUDA also in the other
    batching modes of `SERVICE_MODES`, the lone slot's off at concurrency 1, and as
-   `--service-processes` server processes); the service's
+   `--service-processes` server processes), and with as many clients and rows per batch as the
+   largest of `--batch-sizes` where that is above the top concurrency; the service's
    graphs in-process at each `--batch-sizes` and one sentence at a time (the first 128); and the alternatives that run on the same GPU
    without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
    the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
    the repository's PyTorch model with its KV cache, batched, in fp16 autocast. The target line
    compares the service's best setting at its top concurrency (rows per batch, server processes;
-   continuous batching, the default mode) with the fastest of them. GPU memory in use is
+   continuous batching, the default mode) with the fastest of them, and with the fastest whose
+   batch holds at most as many sentences as the service has clients. GPU memory in use is
    read from `nvidia-smi` after each part.
 4. Writes `<out>/<gpu name>/gpu-check.json` and `gpu-check.md`: every number, the device, the
    driver, onnxruntime's version and the provider each part actually ran on.
@@ -190,13 +192,15 @@ def quality(runtime: ModelRuntime, reference: ModelRuntime, data_dir: Path, task
             "within_bound": within_bound(task, expected, measured)}
 
 
-def best_alternative(report: dict[str, Any]) -> tuple[str, float] | None:
-    """The fastest same-device alternative run (name, sentences/s) of a model's report."""
-    runs = [(f"PyTorch {report['pytorch']['precision']}, batch {b}", s["sentences_per_s"])
+def best_alternative(report: dict[str, Any], max_batch: int | None = None) -> tuple[str, float] | None:
+    """The fastest same-device alternative run (name, sentences/s) of a model's report, among
+    the batches of at most `max_batch` sentences if given (as many in flight as a service's clients)."""
+    runs = [(f"PyTorch {report['pytorch']['precision']}, batch {b}", int(b), s["sentences_per_s"])
             for b, s in report.get("pytorch", {}).get("batches", {}).items()]
     for compute_type, batches in report.get("ctranslate2", {}).get("compute_types", {}).items():
-        runs += [(f"CTranslate2 {compute_type}, batch {b}", s["sentences_per_s"]) for b, s in batches.items()]
-    return max(runs, key=lambda run: run[1], default=None)
+        runs += [(f"CTranslate2 {compute_type}, batch {b}", int(b), s["sentences_per_s"]) for b, s in batches.items()]
+    best = max((run for run in runs if max_batch is None or run[1] <= max_batch), key=lambda run: run[2], default=None)
+    return None if best is None else (best[0], best[2])
 
 
 def step_graph_alone(runtime: ModelRuntime, model_dir: Path, sources: list[list[int]], provider: str) -> dict[str, Any]:
@@ -257,13 +261,17 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     runs = [(rows, "default", 1) for rows in service_batch_sizes]
     runs += [(service_batch_sizes[0], mode, 1) for mode in SERVICE_MODES] * (provider == CUDA)
     runs += [(service_batch_sizes[0], "default", processes) for processes in service_processes if processes > 1]
+    # as many clients and rows per batch as the largest batch in-process, where that is above the
+    # top concurrency: the service with the sentences in flight that the alternatives' best batch has
+    wide = max(batch_sizes) if max(batch_sizes) > max(concurrency) else None
+    runs += [(wide, "wide", 1)] * (wide is not None)
     for rows, mode, processes in runs:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
         command = service_command(models, port, providers=providers, max_queue_size=max(4096, 4 * max(concurrency)))
         command += ["--max-batch-size", str(rows), "--max-batch-tokens", str(rows * manifest.max_source_len)]
         command += SERVICE_MODES.get(mode, []) + (["--workers", str(processes)] if processes > 1 else [])
-        log = out / (f"service-{model}-{rows}{'' if mode == 'default' else '-' + SERVICE_MODES[mode][0][2:]}"
+        log = out / (f"service-{model}-{rows}{'' if mode in ('default', 'wide') else '-' + SERVICE_MODES[mode][0][2:]}"
                      f"{f'-p{processes}' if processes > 1 else ''}.log")
         with ServerProcess(command, port, log) as server:
             if processes > 1:
@@ -271,6 +279,10 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                 report.setdefault("service_processes", {})[str(processes)] = {
                     "max_batch_size": rows, "concurrency": max(concurrency), "stats": result.stats().to_dict()}
                 report[f"memory_during_service_p{processes}"] = gpu()
+            elif mode == "wide":
+                result = asyncio.run(closed_loop(url, text_bodies(texts), rows))
+                report["service_wide"] = {"max_batch_size": rows, "concurrency": rows, "stats": result.stats().to_dict()}
+                report[f"memory_during_service_{rows}"] = gpu()
             elif mode != "default":
                 clients = 1 if mode in SINGLE_MODES else max(concurrency)
                 result = asyncio.run(closed_loop(url, text_bodies(texts if clients > 1 else texts[:ALONE]), clients))
@@ -303,10 +315,20 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     settings += [(run["max_batch_size"], int(n), run["stats"]["sentences_per_s"])
                  for n, run in report.get("service_processes", {}).items()]
     rows, processes, top = max(settings, key=lambda setting: setting[2])
+    # the alternatives' best batch may hold more sentences than the service's clients send at once:
+    # the ratio against the best at most as large as the concurrency is beside it
+    in_flight = best_alternative(report, max(concurrency))
     report["target"] = {"service_concurrency": max(concurrency), "service_sentences_per_s": top,
                         "service_max_batch_size": rows, "service_processes": processes,
                         "best_alternative": best[0] if best else None,
-                        "ratio": top / best[1] if best and best[1] else None, "bound": 1.0}
+                        "ratio": top / best[1] if best and best[1] else None, "bound": 1.0,
+                        "in_flight_alternative": in_flight[0] if in_flight else None,
+                        "in_flight_ratio": top / in_flight[1] if in_flight and in_flight[1] else None}
+    if "service_wide" in report:  # the service with as many sentences in flight as the largest batch
+        wide_best = best_alternative(report, report["service_wide"]["concurrency"])
+        report["service_wide"] |= {"best_alternative": wide_best[0] if wide_best else None,
+                                   "ratio": (report["service_wide"]["stats"]["sentences_per_s"] / wide_best[1]
+                                             if wide_best and wide_best[1] else None)}
     if "1" in report["service"]:  # the single request's latency (the issue's bound: 10 ms on a GPU)
         report["latency_target"] = {"service_p50_s": report["service"]["1"]["latency_p50_s"],
                                     "in_process_alone_p50_s": report["in_process_alone"]["latency_p50_s"],
@@ -357,6 +379,10 @@ def markdown(results: dict[str, Any]) -> str:
             name = (f"service, concurrency {run['concurrency']}, {processes} server processes, "
                     f"{run['max_batch_size']} rows per batch")
             rows.append((name, run["stats"]))
+        if "service_wide" in report:
+            wide = report["service_wide"]
+            rows.append((f"service, concurrency {wide['concurrency']}, {wide['max_batch_size']} rows per batch",
+                         wide["stats"]))
         for mode, run in report.get("service_modes", {}).items():
             rows.append((f"service {mode}, concurrency {run['concurrency']}, {run['max_batch_size']} rows per batch",
                          run["stats"]))
@@ -413,6 +439,14 @@ def markdown(results: dict[str, Any]) -> str:
                            f"({target.get('service_max_batch_size', 64)} rows per batch"
                            f"{f', {processes} server processes' if processes > 1 else ''}) / best alternative "
                            f"({target['best_alternative']}): **{target['ratio']:.2f}** (bound ≥ 1.0: {status}).")]
+            if target.get("in_flight_ratio") is not None and target["in_flight_alternative"] != target["best_alternative"]:
+                lines[-1] += (f" Against the best alternative with at most {target['service_concurrency']} sentences "
+                              f"in flight ({target['in_flight_alternative']}): {target['in_flight_ratio']:.2f}.")
+        wide = report.get("service_wide", {})
+        if wide.get("ratio") is not None:
+            lines += ["", (f"Service at concurrency {wide['concurrency']} ({wide['max_batch_size']} rows per batch) / "
+                           f"best alternative with at most as many sentences in flight ({wide['best_alternative']}): "
+                           f"**{wide['ratio']:.2f}**.")]
         scored = report.get("quality", {})
         if "scores" in scored:
             metrics = [m for m in ("bleu", "chrf", "rouge1", "rouge2", "rougeL") if m in scored["scores"]]

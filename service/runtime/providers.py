@@ -71,8 +71,10 @@ def execution_providers(provider: str, gpu_memory_limit_mb: int = 0) -> list[str
     own arena: a model's encoder, decoder and step graph each get the cap)."""
     if provider == CPU:
         return [CPU]
-    if provider == CUDA and gpu_memory_limit_mb > 0:
-        options = {"gpu_mem_limit": str(gpu_memory_limit_mb << 20), "arena_extend_strategy": "kSameAsRequested"}
+    if provider == CUDA:
+        options = {"use_tf32": "0"}  # float32 products in float32: the fp32 variant computes what the CPU computes
+        if gpu_memory_limit_mb > 0:
+            options |= {"gpu_mem_limit": str(gpu_memory_limit_mb << 20), "arena_extend_strategy": "kSameAsRequested"}
         return [(CUDA, options), CPU]
     return [provider, CPU]
 

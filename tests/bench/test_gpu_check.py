@@ -72,10 +72,21 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert report["ctranslate2"]["compute_types"]["int8"]["8"]["sentences"] == 24
     assert report["target"]["service_concurrency"] == 4 and report["target"]["ratio"] > 0
     assert report["target"]["best_alternative"].startswith(("CTranslate2", "PyTorch"))
+    # no alternative batch holds at most 4 sentences: no ratio at the same sentences in flight
+    assert report["target"]["in_flight_alternative"] is report["target"]["in_flight_ratio"] is None
+    # the largest batch (8) is above the top concurrency: the service also with 8 clients and 8 rows,
+    # against the best alternative of at most 8 sentences a batch
+    wide = report["service_wide"]
+    assert (wide["concurrency"], wide["max_batch_size"]) == (8, 8) and wide["stats"]["sentences"] == 24
+    assert wide["stats"]["errors"] == 0 and wide["best_alternative"].endswith("batch 8")
+    alternatives = [*report["pytorch"]["batches"].values(), *report["ctranslate2"]["compute_types"]["int8"].values()]
+    assert wide["ratio"] == pytest.approx(wide["stats"]["sentences_per_s"] / max(a["sentences_per_s"] for a in alternatives))
     text = (folder / "gpu-check.md").read_text()
     assert "| service, concurrency 4, 8 rows per batch |" in text and "| CTranslate2 int8, batch 8 |" in text
     assert "| service, concurrency 4, 16 rows per batch |" in text
     assert "| service, concurrency 4, 2 server processes, 8 rows per batch |" in text
+    assert "| service, concurrency 8, 8 rows per batch |" in text
+    assert "Service at concurrency 8 (8 rows per batch) / best alternative with at most as many sentences in flight" in text
     assert "| ONNX in-process, one sentence at a time (16 sentences) |" in text
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
@@ -94,6 +105,8 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "service_modes" not in report and report["service_step_graph"] is True  # other modes: on CUDA only
     report["service_modes"] = {"request-level batches": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
     assert "| service request-level batches, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
+    report["target"] |= {"in_flight_alternative": "PyTorch fp32, batch 4", "in_flight_ratio": 1.5}
+    assert "in flight (PyTorch fp32, batch 4): 1.50." in gpu_check.markdown(results)
 
 
 def test_quality_says_why_it_could_not_score(tmp_path: Path, monkeypatch) -> None:

@@ -463,8 +463,8 @@ def test_device_slots_on_cuda_decode_what_host_slots_decode(tiny_runtime: ModelR
                                                             sources) -> None:
     """The float32 step graph with its slots on the GPU (asked for: its attention runs on the
     CPU there) decodes the CPU host batch's tokens, through joins, departures, growth and
-    shrinking: on all rows but one at most, scores within 1e-3 (CUDA's float32 arithmetic is not
-    the CPU's: the tiny model's close calls may go the other way)."""
+    shrinking: on all rows but one at most, scores within 1e-3 (CUDA multiplies in float32, TF32
+    off, but sums in another order than the CPU: the tiny model's close calls may go the other way)."""
     from service.runtime import CUDA
 
     cuda = ModelRuntime.load(tiny_model_repository, [CUDA], variant="fp32", step_graph=True)
@@ -478,7 +478,8 @@ def test_device_slots_on_cuda_decode_what_host_slots_decode(tiny_runtime: ModelR
         host, _ = _schedule(tiny_runtime, sources, False, seed, limits)
         same = [i for i in host if (device[i].tokens, device[i].finish_reason) == (host[i].tokens, host[i].finish_reason)]
         assert len(same) >= len(sources) - 1
-        assert all(device[i].score == pytest.approx(host[i].score, abs=1e-3) for i in same)
+        worst = max(abs(device[i].score - host[i].score) for i in same)
+        assert worst <= 1e-3, f"seed {seed}: a score departs from the host's by {worst:.2g}"
 
 
 @pytest.mark.gpu

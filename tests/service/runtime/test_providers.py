@@ -51,10 +51,12 @@ def test_cpu_only_asks_nothing_of_cuda(tiny_model_repository: Path, caplog: pyte
 
 def test_a_gpu_memory_limit_caps_each_cuda_sessions_arena() -> None:
     """`gpu_memory_limit_mb` becomes onnxruntime's CUDA provider options (bytes, grown as asked);
-    without it, or on the CPU, the providers are plain names."""
+    every CUDA session turns TF32 off (float32 graphs multiply in float32, as on the CPU); on the
+    CPU the provider is a plain name."""
     limited = providers.execution_providers(CUDA, 512)
-    assert limited == [(CUDA, {"gpu_mem_limit": str(512 * 2**20), "arena_extend_strategy": "kSameAsRequested"}), CPU]
-    assert providers.execution_providers(CUDA, 0) == [CUDA, CPU]
+    assert limited == [(CUDA, {"use_tf32": "0", "gpu_mem_limit": str(512 * 2**20),
+                               "arena_extend_strategy": "kSameAsRequested"}), CPU]
+    assert providers.execution_providers(CUDA, 0) == [(CUDA, {"use_tf32": "0"}), CPU]
     assert providers.execution_providers(CPU, 512) == [CPU]
 
 
@@ -65,3 +67,4 @@ def test_the_cuda_sessions_take_the_limit(tiny_model_repository: Path) -> None:
     assert runtime.provider == CUDA
     for session in (runtime.encoder, runtime.decoder):
         assert session.get_provider_options()[CUDA]["gpu_mem_limit"] == str(256 * 2**20)
+        assert session.get_provider_options()[CUDA]["use_tf32"] == "0"
