@@ -16,7 +16,8 @@ With `--rate R`, each run is an open loop instead: Poisson arrivals at R request
 With `--baseline DIR`, one more variant runs the defaults from the code of another checkout
 (e.g. `git worktree add DIR <commit>`; run in DIR, its packages first on the path, serving its
 own models when `--models` is a relative path) in the same turns: a change to the code or the
-models measured against the commit before it.
+models measured against the commit before it; `--baseline-variant NAME` gives that checkout one
+variant's flags instead of the defaults.
 
 Each run records the server's CPU seconds and, of them, its event loop's (the main thread's:
 HTTP, validation, tokenization, responses) per request; the rest is the batch workers'. It also
@@ -45,6 +46,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,6 +100,57 @@ VARIANTS: dict[str, list[str]] = {
 BASELINE = "defaults, baseline checkout"
 
 
+def baseline_name(variant: str | None) -> str:
+    """The name of the baseline checkout's runs: with `variant`'s flags, or the defaults."""
+    return BASELINE if variant is None else f"{variant}, baseline checkout"
+
+
+def connections_per_process(pid: int, port: int) -> list[int]:
+    """The connections on `port` that each serving process of the server `pid` holds, fewest
+    first: its descendants listening on `port` (the workers), or else `pid` itself (a supervisor
+    that holds the workers' shared socket serves nothing)."""
+    def held(process: psutil.Process) -> int | None:  # None: not listening on `port`
+        try:
+            mine = [c for c in process.net_connections(kind="tcp") if c.laddr and c.laddr.port == port]
+        except psutil.Error:
+            return None
+        if not any(c.status == psutil.CONN_LISTEN for c in mine):
+            return None
+        return sum(c.status == psutil.CONN_ESTABLISHED for c in mine)
+
+    server = psutil.Process(pid)
+    workers = [n for n in map(held, server.children(recursive=True)) if n is not None]
+    alone = held(server)
+    return sorted(workers) if workers else [] if alone is None else [alone]
+
+
+class ConnectionSampler:
+    """Reads `connections_per_process` twice a second in a thread while the load runs and keeps
+    the sample with the most connections (the load generator's pool all open)."""
+
+    def __init__(self, pid: int, port: int, interval_s: float = 0.5) -> None:
+        self.pid, self.port, self.interval_s = pid, port, interval_s
+        self.busiest: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                counts = connections_per_process(self.pid, self.port)
+            except psutil.Error:
+                return
+            if sum(counts) > sum(self.busiest):
+                self.busiest = counts
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _event_loop_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the main threads of a process and its children: the server's
     event loop, or with `--workers` each worker process's (and the supervisor's, which idles)."""
@@ -137,10 +190,16 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
         cpu_before = _cpu_seconds(server.process.pid)
         loop_before = _event_loop_cpu_seconds(server.process.pid)
         generator_before = time.process_time()  # this process's CPU: the load generator's
-        if rate is None:
-            result = asyncio.run(load.closed_loop(url, load.text_bodies(texts), concurrency))
-        else:
-            result = asyncio.run(load.open_loop(url, load.text_bodies(texts), rate, duration_s))
+        port = int(server.url.rsplit(":", 1)[1])
+        sampler = ConnectionSampler(server.process.pid, port)
+        sampler.start()
+        try:
+            if rate is None:
+                result = asyncio.run(load.closed_loop(url, load.text_bodies(texts), concurrency))
+            else:
+                result = asyncio.run(load.open_loop(url, load.text_bodies(texts), rate, duration_s))
+        finally:
+            sampler.stop()
         generator_cpu = time.process_time() - generator_before
         cards = httpx.get(server.url + "/v1/models", timeout=10).json()["models"]
         cpu = _cpu_seconds(server.process.pid) - cpu_before
@@ -153,7 +212,8 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
     return {**stats, "flags": flags, "server_cpu_s": round(cpu, 2), "event_loop_cpu_s": round(loop_cpu, 2),
             "event_loop_ms_per_request": round(1000 * loop_cpu / answered, 3),
             "load_generator_ms_per_request": round(1000 * generator_cpu / answered, 3),
-            "peak_rss_mb": round(peak, 1), "batching": batching}
+            "peak_rss_mb": round(peak, 1), "batching": batching,
+            "connections_per_process": sampler.busiest}
 
 
 def ctranslate2_reference(model_dir: Path, workload: workload_module.Workload, out_dir: Path,
@@ -264,6 +324,13 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| CTranslate2 int8 `translate_batch` (in-process, {setting}) | - | "
                          f"{reference['sentences_per_s']:.1f} "
                          f"({min(speeds):.1f}-{max(speeds):.1f}) | - | - | - | - | - | - | - | - | - | 1.00 |")
+    spread = [(name, run) for name, run in results["variants"].items() if len(run.get("connections_per_process", [])) > 1]
+    if spread:
+        lines += ["", ("Connections each server process held when most were open (fewest first): the median run's; "
+                       "the fewest any process held in any run:")]
+        lines += [f"- {name}: {'/'.join(map(str, run['connections_per_process']))}; "
+                  f"{min(min(r['connections_per_process']) for r in run['runs'] if r.get('connections_per_process'))}"
+                  for name, run in spread]
     tuning = results.get("ctranslate2_tuning")
     if tuning:
         def point(p: dict[str, Any]) -> str:
@@ -299,9 +366,11 @@ def _run_in_turns(args: argparse.Namespace, workload: workload_module.Workload,
             logger.info("CTranslate2 int8: %.1f sentences/s", reference_runs[-1]["sentences_per_s"])
         for index, name in enumerate(args.variants):
             logger.info("%s (run %d) ...", name, repeat + 1)
-            run = measure(args.models, args.model, workload.texts, args.concurrency, VARIANTS.get(name, []),
+            baseline = name == baseline_name(args.baseline_variant)
+            flags = VARIANTS.get(args.baseline_variant or "", []) if baseline else VARIANTS.get(name, [])
+            run = measure(args.models, args.model, workload.texts, args.concurrency, flags,
                           args.out / "logs" / f"{index}-{repeat}.log", args.rate, args.duration_s,
-                          checkout=args.baseline if name == BASELINE else None)
+                          checkout=args.baseline if baseline else None)
             logger.info("%s: %.1f sentences/s", name, run["sentences_per_s"])
             runs[name].append(run)
     return reference_runs
@@ -322,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--baseline", type=Path, default=None,
                         help="also run the defaults from the code of this checkout, in the same turns")
+    parser.add_argument("--baseline-variant", choices=list(VARIANTS), default=None,
+                        help="the flags of this variant for the --baseline checkout (default: none)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, in turn")
     parser.add_argument("--ctranslate2", action="store_true",
                         help="also time CTranslate2 int8 translate_batch in the same turns (needs ctranslate2), "
@@ -338,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--ctranslate2-setting: REPLICAS THREADS BATCH as integers, TYPE examples or tokens")
         setting = (int(replicas), int(threads), int(batch), batch_type)
     if args.baseline is not None:
-        args.variants = [BASELINE, *args.variants]
+        args.variants = [baseline_name(args.baseline_variant), *args.variants]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from model.tokenizer import Tokenizer

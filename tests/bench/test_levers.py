@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.levers import BASELINE, _cpu_seconds, _event_loop_cpu_seconds, main
+from bench.levers import (
+    BASELINE,
+    ConnectionSampler,
+    _cpu_seconds,
+    _event_loop_cpu_seconds,
+    baseline_name,
+    connections_per_process,
+    main,
+)
 
 
 def _levers(dirs: tuple[Path, Path], out: Path, *options: str) -> dict:
@@ -47,6 +56,49 @@ def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_pat
     # the load generator's CPU per request, beside the server's event loop's
     assert continuous["load_generator_ms_per_request"] > 0
     assert cells[7].startswith(f"{continuous['load_generator_ms_per_request']:.2f} (")
+
+
+def test_the_connections_each_serving_process_holds_are_counted() -> None:
+    """A process listening on a port, holding three accepted connections (its own client ends,
+    whose local ports differ, do not count), and the sampler's busiest reading of it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    accepted = [listener.accept()[0] for _ in clients]
+    try:
+        assert connections_per_process(os.getpid(), port) == [3]
+        sampler = ConnectionSampler(os.getpid(), port, interval_s=0.02)
+        sampler.start()
+        time.sleep(0.2)
+        accepted.pop().close()
+        time.sleep(0.2)
+        sampler.stop()
+        assert sampler.busiest == [3] and connections_per_process(os.getpid(), port) == [2]
+    finally:
+        for end in [*clients, *accepted, listener]:
+            end.close()
+
+
+def test_a_supervisors_shared_socket_counts_its_workers_not_itself() -> None:
+    """A child that accepts on the parent's listening socket (a supervisor's worker, one shared
+    socket) is the serving process; the parent, listening too, is not counted."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    code = ("import socket, sys, time\n"
+            "s = socket.socket(fileno=int(sys.argv[1]))\n"
+            "held = [s.accept()[0] for _ in range(2)]\n"
+            "print('accepted', flush=True)\n"
+            "time.sleep(30)\n")
+    with subprocess.Popen([sys.executable, "-c", code, str(listener.fileno())], pass_fds=[listener.fileno()],
+                          stdout=subprocess.PIPE, text=True) as worker:
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        try:
+            assert worker.stdout is not None and worker.stdout.readline().strip() == "accepted"
+            assert connections_per_process(os.getpid(), port) == [2]
+        finally:
+            worker.kill()
+            for end in [*clients, listener]:
+                end.close()
 
 
 def test_levers_time_ctranslate2_in_the_same_turns(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -127,12 +179,16 @@ def test_levers_run_a_baseline_checkout_in_the_same_turns(
     monkeypatch.setenv("LEVERS_TEST_MARK", str(marker))
     out = tmp_path / "levers"
     results = _levers(tiny_bench_dirs, out, "--concurrency", "3", "--repeats", "1",
-                      "--variants", "defaults (continuous batching)", "--baseline", str(checkout))
+                      "--variants", "defaults (continuous batching)", "--baseline", str(checkout),
+                      "--baseline-variant", "one batch worker (one running batch on all cores)")
     assert marker.exists()
-    assert list(results["variants"]) == [BASELINE, "defaults (continuous batching)"]
+    baseline = "one batch worker (one running batch on all cores), baseline checkout"  # that variant's flags
+    assert list(results["variants"]) == [baseline, "defaults (continuous batching)"]
+    assert results["variants"][baseline]["flags"] == ["--batch-workers", "1"]
     for run in results["variants"].values():  # too short a run for CPU times at clock-tick resolution to compare
         assert run["errors"] == 0 and run["event_loop_cpu_s"] >= 0 and run["server_cpu_s"] >= 0
-    assert f"| {BASELINE} | `-` |" in (out / "levers.md").read_text(encoding="utf-8")
+    assert f"| {baseline} | `--batch-workers 1` |" in (out / "levers.md").read_text(encoding="utf-8")
+    assert baseline_name(None) == BASELINE
 
 
 def test_at_concurrency_1_ctranslate2_translates_one_sentence_per_call(tiny_bench_dirs: tuple[Path, Path],

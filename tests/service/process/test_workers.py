@@ -1,4 +1,5 @@
-"""`attnserve serve --workers N`: worker processes on one socket, a killed one is restarted.
+"""`attnserve serve --workers N`: worker processes, each on its own listening socket (Linux), a
+killed one is restarted.
 
 The settings reach the spawned workers through the environment (checked in the default run);
 the kill test runs the real server on the tiny model and is marked `soak` (`make soak`); with
@@ -12,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,6 +81,78 @@ async def closed_loop_until(url: str, stop: asyncio.Event, concurrency: int) -> 
 
         await asyncio.gather(*(user() for _ in range(concurrency)))
     return statuses
+
+
+def tcp_sockets(port: int, state: str) -> set[int]:
+    """Inodes of the TCP sockets whose local port is `port`, in `state` ('0A' listening,
+    '01' established), from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == state:
+                inodes.add(int(fields[9]))
+    return inodes
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """Inodes of the sockets process `pid` holds open."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT balances on Linux")
+def test_each_worker_listens_on_its_own_socket_and_connections_spread(served_tiny_models: Path,
+                                                                       tmp_path: Path) -> None:
+    """Each worker accepts on a listening socket of its own (none is shared), so the kernel
+    spreads 64 connections opened at once over the two: each holds at least 16 (below that
+    by chance: about 1 in 100,000)."""
+    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
+
+    port = free_port()
+    environment = {**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1"}
+    log = tmp_path / "serve.log"
+    with log.open("w") as output, subprocess.Popen(
+        [*serve_command(), "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--models", str(served_tiny_models), "--workers", "2"],
+        env=environment, stdout=output, stderr=subprocess.STDOUT,
+    ) as process:
+        connections: list[socket.socket] = []
+        try:
+            wait_ready(port, STARTUP_TIMEOUT_S)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            own: dict[int, set[int]] = {}
+            while len(own) < 2 or not all(own.values()):  # two workers, each listening
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+                listening = tcp_sockets(port, "0A")
+                own = {pid: socket_inodes(pid) & listening for pid in worker_pids(process.pid)}
+            workers = set(own)
+            assert all(len(inodes) == 1 for inodes in own.values()), own
+            assert len(set.union(*own.values())) == 2 and not socket_inodes(process.pid) & listening
+            connections = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(64)]
+            held: dict[int, int] = {}
+            while sum(held.values()) < 64:  # each worker accepts its connections
+                assert time.monotonic() < deadline, held
+                time.sleep(0.1)
+                established = tcp_sockets(port, "01")
+                held = {pid: len(socket_inodes(pid) & established) for pid in workers}
+            assert min(held.values()) >= 16, held
+        finally:
+            for connection in connections:
+                connection.close()
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def _translations_counted(port: int) -> float:
