@@ -40,20 +40,32 @@ def fixed_dimensions(max_target_len: int, max_source_len: int) -> dict[str, int]
     return {"batch": 1, "capacity": max_target_len, "source_len": max_source_len}
 
 
+def lone_providers(provider: str, cuda_graph: bool = False, device_id: int = 0,
+                   gpu_memory_limit_mb: int = 0) -> list[str | tuple[str, dict[str, str]]]:
+    """The model sessions' providers (`execution_providers`: the memory cap, TF32 off), on CUDA
+    on `device_id` and with `cuda_graph` onnxruntime's graph capture on."""
+    providers = execution_providers(provider, gpu_memory_limit_mb)
+    if provider != CUDA:
+        return providers
+    first = providers[0]
+    options = dict(first[1]) if isinstance(first, tuple) else {}
+    options["device_id"] = str(device_id)
+    if cuda_graph:
+        options["enable_cuda_graph"] = "1"
+    return [(CUDA, options), *providers[1:]]
+
+
 def lone_session(path: str | Path, provider: str, dimensions: dict[str, int], cuda_graph: bool = False,
-                 threads: int = 0, device_id: int = 0, fold_dequantize: bool = False) -> ort.InferenceSession:
+                 threads: int = 0, device_id: int = 0, fold_dequantize: bool = False,
+                 gpu_memory_limit_mb: int = 0) -> ort.InferenceSession:
     """The step graph at `path` in a session with `dimensions` fixed, on `provider` (on CUDA, with
     `cuda_graph`, onnxruntime's graph capture on: every node must then run on CUDA), with the
-    model sessions' options (`session_options`: `fold_dequantize` for int8 graphs)."""
+    model sessions' options (`session_options`: `fold_dequantize` for int8 graphs) and providers
+    (`lone_providers`: `gpu_memory_limit_mb` caps its CUDA arena as the model's sessions')."""
     options = session_options(threads, spinning=False, fold_dequantize=fold_dequantize)
     for name, value in dimensions.items():
         options.add_free_dimension_override_by_name(name, value)
-    providers = execution_providers(provider)
-    if provider == CUDA:
-        cuda_options = {"device_id": str(device_id)}
-        if cuda_graph:
-            cuda_options["enable_cuda_graph"] = "1"
-        providers = [(CUDA, cuda_options), *providers[1:]]
+    providers = lone_providers(provider, cuda_graph, device_id, gpu_memory_limit_mb)
     return ort.InferenceSession(str(path), options, providers=providers)
 
 

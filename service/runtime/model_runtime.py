@@ -190,7 +190,8 @@ class ModelRuntime:
                           bind, device, device_id, gather, step)
             runtime._check_cache_dtype()
             if step is not None and bind and (provider == CUDA if lone_step is None else lone_step):
-                runtime.lone = _lone_slots(directory / manifest.variants[chosen].step_decoder, runtime, threads)
+                runtime.lone = _lone_slots(directory / manifest.variants[chosen].step_decoder, runtime, threads,
+                                           gpu_memory_limit_mb)
             if shortlist and step is not None and provider == CPU and manifest.variants[chosen].shortlist:
                 runtime.shortlist = _load_shortlist(directory, manifest.variants[chosen], manifest.config.vocab_size,
                                                     threads, spinning, memory_arena)
@@ -402,7 +403,7 @@ class ModelRuntime:
                            np.full((2, 1), position, dtype=np.int64), state.source_mask)
 
 
-def _lone_slots(path: Path, runtime: ModelRuntime, threads: int) -> LoneSlots | None:
+def _lone_slots(path: Path, runtime: ModelRuntime, threads: int, gpu_memory_limit_mb: int = 0) -> LoneSlots | None:
     """The runtime's lone slot (`service.runtime.lone_slots`): its step graph at fixed dimensions,
     replayed as a CUDA graph on CUDA, stepped three times at load (the capture); None, with a
     warning naming onnxruntime's reason, when the session cannot be made or run, or the step
@@ -413,7 +414,7 @@ def _lone_slots(path: Path, runtime: ModelRuntime, threads: int) -> LoneSlots | 
     try:
         session = lone_session(path, runtime.provider, fixed_dimensions(runtime.max_target_len, runtime.max_source_len),
                                cuda_graph=runtime.provider == CUDA, threads=threads, device_id=runtime.device_id,
-                               fold_dequantize=runtime.variant == "int8")
+                               fold_dequantize=runtime.variant == "int8", gpu_memory_limit_mb=gpu_memory_limit_mb)
         slots = LoneSlots.of(runtime, session)
         mask = np.zeros((1, slots.width), dtype=bool)
         mask[0, 0] = True

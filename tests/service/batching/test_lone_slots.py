@@ -169,6 +169,20 @@ def test_a_lone_slot_that_cannot_be_made_leaves_lone_requests_to_the_batch(tiny_
     assert "no lone-row step graph (RuntimeError: not every node runs on CUDA)" in caplog.text
 
 
+def test_the_lone_session_takes_the_model_sessions_providers() -> None:
+    """On CUDA the lone session's provider options are the model sessions' (the memory cap, TF32
+    off) plus its device and the graph capture; on the CPU the same plain provider."""
+    from service.runtime import CUDA
+    from service.runtime.lone_slots import lone_providers
+    from service.runtime.providers import execution_providers
+
+    ((name, options), cpu) = lone_providers(CUDA, cuda_graph=True, device_id=1, gpu_memory_limit_mb=512)
+    model_options = execution_providers(CUDA, 512)[0][1]  # type: ignore[index]
+    assert (name, cpu) == (CUDA, CPU) and options == {**model_options, "device_id": "1", "enable_cuda_graph": "1"}
+    assert "enable_cuda_graph" not in lone_providers(CUDA)[0][1]  # type: ignore[index]
+    assert lone_providers(CPU, gpu_memory_limit_mb=512) == execution_providers(CPU) == [CPU]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu with CUDAExecutionProvider")
 def test_on_cuda_a_lone_row_replays_a_cuda_graph(tiny_fp16_repository, sources) -> None:
@@ -176,9 +190,11 @@ def test_on_cuda_a_lone_row_replays_a_cuda_graph(tiny_fp16_repository, sources) 
     decode in it what they decode in device slots (the same kernels, captured)."""
     from service.runtime import CUDA
 
-    cuda = ModelRuntime.load(tiny_fp16_repository, [CUDA, CPU], variant="fp16", step_graph=True)
+    cuda = ModelRuntime.load(tiny_fp16_repository, [CUDA, CPU], variant="fp16", step_graph=True,
+                             gpu_memory_limit_mb=256)
     assert cuda.lone is not None and cuda.lone.graphs.device == "cuda"
-    assert cuda.lone.session.get_provider_options()[CUDA].get("enable_cuda_graph") == "1"
+    options = cuda.lone.session.get_provider_options()[CUDA]
+    assert options.get("enable_cuda_graph") == "1" and options["gpu_mem_limit"] == str(256 * 2**20)
     lone: SlotBatch[int] = SlotBatch(cuda)
     plain: SlotBatch[int] = SlotBatch(cuda)
     assert cuda.lone.take()  # held: `plain` steps its lone rows in its own device slots
