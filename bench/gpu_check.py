@@ -206,16 +206,33 @@ def best_alternative(report: dict[str, Any], max_batch: int | None = None) -> tu
 def step_graph_alone(runtime: ModelRuntime, model_dir: Path, sources: list[list[int]], provider: str) -> dict[str, Any]:
     """The service's path at concurrency 1 without the server: the first `ALONE` sources one at a
     time through a one-row running batch on the step graph (on CUDA in the runtime's lone slot,
-    replayed as a CUDA graph; mean milliseconds per sentence and per step), then `PROFILED_ALONE`
+    replayed as a CUDA graph; mean milliseconds per sentence, per step, and per sentence in its
+    join, the encoder call's part of it timed apart), then `PROFILED_ALONE`
     of them again on profiled sessions of the batch's step graph: the kernels per step on
     each provider and the host <-> device copies among them, which a single sentence's step
     pays in launches and synchronisations (`join_cost.profile`)."""
-    alone = join_cost.replay(runtime, sources[:ALONE], 1, 1, join_cost.MODES[join_cost.STEP_MODE])
+    encoding = [0.0]
+    encode = runtime.encode
+
+    def timed_encode(*args: Any, **kwargs: Any) -> Any:  # the encoder's share of each join
+        started = time.perf_counter()
+        try:
+            return encode(*args, **kwargs)
+        finally:
+            encoding[0] += time.perf_counter() - started
+
+    runtime.encode = timed_encode
+    try:
+        alone = join_cost.replay(runtime, sources[:ALONE], 1, 1, join_cost.MODES[join_cost.STEP_MODE])
+    finally:
+        del runtime.encode  # the class's method again
     count = len(sources[:ALONE])
     profiled = join_cost.profile(model_dir, sources[:PROFILED_ALONE], 1, 1,
                                  (provider,) if provider == CPU else (provider, CPU))["step_graph"]
     return {"sentences": count, "steps": alone["steps"], "ms_per_sentence": 1000 * alone["total_s"] / max(count, 1),
             "ms_per_step": 1000 * alone["step_s"] / max(alone["steps"], 1),
+            "join_ms_per_sentence": 1000 * alone["join_s"] / max(count, 1),
+            "encode_ms_per_sentence": 1000 * encoding[0] / max(count, 1),
             "profile": {key: profiled[key] for key in ("step_ms", "nodes_per_step", "memcpy_per_step")}}
 
 
@@ -264,7 +281,7 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     # as many clients and rows per batch as the largest batch in-process, where that is above the
     # top concurrency: the service with the sentences in flight that the alternatives' best batch has
     wide = max(batch_sizes) if max(batch_sizes) > max(concurrency) else None
-    runs += [(wide, "wide", 1)] * (wide is not None)
+    runs += [(wide, "wide", 1)] if wide is not None else []
     for rows, mode, processes in runs:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
@@ -411,7 +428,10 @@ def markdown(results: dict[str, Any]) -> str:
             nodes = ", ".join(f"{count:g} on {name}" for name, count in alone["profile"]["nodes_per_step"].items())
             lines += ["", (f"One sentence at a time on the step graph in-process (the service's path at concurrency 1, "
                            f"{alone['sentences']} sentences): {alone['ms_per_sentence']:.1f} ms per sentence, "
-                           f"{alone['ms_per_step']:.2f} ms per step; profiled on the batch's step graph, a step runs {nodes} "
+                           f"{alone['ms_per_step']:.2f} ms per step"
+                           + (f", {alone['join_ms_per_sentence']:.2f} ms joining (the encoder "
+                              f"{alone['encode_ms_per_sentence']:.2f} ms)" if "join_ms_per_sentence" in alone else "")
+                           + f"; profiled on the batch's step graph, a step runs {nodes} "
                            f"({alone['profile']['memcpy_per_step']:g} host <-> device copies).")]
         fixed = report.get("static_step")
         if fixed:

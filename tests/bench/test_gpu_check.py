@@ -58,6 +58,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert running["total_s"] >= running["join_s"] + running["step_s"] and running["step_s"] > running["leave_s"] > 0
     alone = report["step_graph_alone"]  # one sentence at a time on the step graph, then profiled
     assert alone["sentences"] == 16 and alone["steps"] >= 16 and alone["ms_per_sentence"] > alone["ms_per_step"] > 0
+    assert alone["ms_per_sentence"] > alone["join_ms_per_sentence"] > alone["encode_ms_per_sentence"] > 0
     assert set(alone["profile"]["nodes_per_step"]) == {CPU} and alone["profile"]["nodes_per_step"][CPU] > 10
     assert alone["profile"]["memcpy_per_step"] == 0  # one device: nothing crosses
     fixed = report["static_step"]  # the lone row on a graph of fixed shapes: the same tokens, logits within float rounding
@@ -92,6 +93,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "p50 of a single request: service " in text
     assert "Continuous batching on the step graph in-process (64 slots, 8 newcomers per join)" in text
     assert "One sentence at a time on the step graph in-process (the service's path at concurrency 1, 16 sentences)" in text
+    assert f"ms joining (the encoder {alone['encode_ms_per_sentence']:.2f} ms)" in text
     assert "A lone row on the step graph with fixed shapes (16 sentences" in text and "- static: " in text
     # quality on the provider against the CPU's fp32 (the dry run: the CPU's own variant, int8 or fp32)
     scored = report["quality"]
