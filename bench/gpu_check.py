@@ -203,37 +203,57 @@ def best_alternative(report: dict[str, Any], max_batch: int | None = None) -> tu
     return None if best is None else (best[0], best[2])
 
 
+def _alone_replay(runtime: ModelRuntime, sources: list[list[int]]) -> dict[str, float]:
+    """The sources one at a time through a one-row running batch on the step graph: mean
+    milliseconds per sentence, per step, and per sentence in its join, of which its encoder call
+    (the runtime's, or the lone slot's own)."""
+    encoding = [0.0]
+
+    def timed(owner: Any) -> None:  # the encoder's share of each join, timed on `owner`
+        encode = owner.encode
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return encode(*args, **kwargs)
+            finally:
+                encoding[0] += time.perf_counter() - started
+        owner.encode = run
+
+    owners = [runtime, *([runtime.lone] if runtime.lone is not None else [])]
+    for owner in owners:
+        timed(owner)
+    try:
+        alone = join_cost.replay(runtime, sources, 1, 1, join_cost.MODES[join_cost.STEP_MODE])
+    finally:
+        for owner in owners:
+            del owner.encode  # the class's method again
+    count = max(len(sources), 1)
+    return {"steps": alone["steps"], "ms_per_sentence": 1000 * alone["total_s"] / count,
+            "ms_per_step": 1000 * alone["step_s"] / max(alone["steps"], 1),
+            "join_ms_per_sentence": 1000 * alone["join_s"] / count, "encode_ms_per_sentence": 1000 * encoding[0] / count}
+
+
 def step_graph_alone(runtime: ModelRuntime, model_dir: Path, sources: list[list[int]], provider: str) -> dict[str, Any]:
     """The service's path at concurrency 1 without the server: the first `ALONE` sources one at a
-    time through a one-row running batch on the step graph (on CUDA in the runtime's lone slot,
-    replayed as a CUDA graph; mean milliseconds per sentence, per step, and per sentence in its
-    join, the encoder call's part of it timed apart), then `PROFILED_ALONE`
-    of them again on profiled sessions of the batch's step graph: the kernels per step on
-    each provider and the host <-> device copies among them, which a single sentence's step
-    pays in launches and synchronisations (`join_cost.profile`)."""
-    encoding = [0.0]
-    encode = runtime.encode
-
-    def timed_encode(*args: Any, **kwargs: Any) -> Any:  # the encoder's share of each join
-        started = time.perf_counter()
+    time through a one-row running batch on the step graph (`_alone_replay`; on CUDA in the
+    runtime's lone slot, replayed as a CUDA graph, its source encoded by the slot's own encoder),
+    again with the lone slot's encoder detached (`copied_source`: encoded as a batch's, then
+    copied into the slot), then `PROFILED_ALONE` of them on profiled sessions of the batch's step
+    graph: the kernels per step on each provider and the host <-> device copies among them,
+    which a single sentence's step pays in launches and synchronisations (`join_cost.profile`)."""
+    result: dict[str, Any] = {"sentences": len(sources[:ALONE]), **_alone_replay(runtime, sources[:ALONE])}
+    lone = runtime.lone
+    if lone is not None and lone.encoder is not None:
+        encoder, lone.encoder = lone.encoder, None
         try:
-            return encode(*args, **kwargs)
+            result["copied_source"] = _alone_replay(runtime, sources[:ALONE])
         finally:
-            encoding[0] += time.perf_counter() - started
-
-    runtime.encode = timed_encode
-    try:
-        alone = join_cost.replay(runtime, sources[:ALONE], 1, 1, join_cost.MODES[join_cost.STEP_MODE])
-    finally:
-        del runtime.encode  # the class's method again
-    count = len(sources[:ALONE])
+            lone.encoder = encoder
     profiled = join_cost.profile(model_dir, sources[:PROFILED_ALONE], 1, 1,
                                  (provider,) if provider == CPU else (provider, CPU))["step_graph"]
-    return {"sentences": count, "steps": alone["steps"], "ms_per_sentence": 1000 * alone["total_s"] / max(count, 1),
-            "ms_per_step": 1000 * alone["step_s"] / max(alone["steps"], 1),
-            "join_ms_per_sentence": 1000 * alone["join_s"] / max(count, 1),
-            "encode_ms_per_sentence": 1000 * encoding[0] / max(count, 1),
-            "profile": {key: profiled[key] for key in ("step_ms", "nodes_per_step", "memcpy_per_step")}}
+    result["profile"] = {key: profiled[key] for key in ("step_ms", "nodes_per_step", "memcpy_per_step")}
+    return result
 
 
 def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences: int, concurrency: list[int],
@@ -431,6 +451,10 @@ def markdown(results: dict[str, Any]) -> str:
                            f"{alone['ms_per_step']:.2f} ms per step"
                            + (f", {alone['join_ms_per_sentence']:.2f} ms joining (the encoder "
                               f"{alone['encode_ms_per_sentence']:.2f} ms)" if "join_ms_per_sentence" in alone else "")
+                           + (f"; the source encoded as a batch's and copied into the lone slot: "
+                              f"{alone['copied_source']['ms_per_sentence']:.1f} ms per sentence, "
+                              f"{alone['copied_source']['join_ms_per_sentence']:.2f} ms joining"
+                              if "copied_source" in alone else "")
                            + f"; profiled on the batch's step graph, a step runs {nodes} "
                            f"({alone['profile']['memcpy_per_step']:g} host <-> device copies).")]
         fixed = report.get("static_step")

@@ -16,7 +16,7 @@ place; its owner (`service.batching.batcher.Batcher`) keeps it while it lives.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -81,9 +81,11 @@ def newcomer_order(sources: Sequence[list[int]]) -> list[int]:
 
 def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Sequence[Owner],
                      max_new_tokens: Sequence[int], hooks: Sequence[RowHooks | None] | None,
-                     padding_slack: float) -> tuple[list[EncoderState], list[Member[Owner]]]:
+                     padding_slack: float, encode: Callable[[list[list[int]]], EncoderState] | None = None,
+                     ) -> tuple[list[EncoderState], list[Member[Owner]]]:
     """Check the newcomers, put them in `newcomer_order` and encode them in groups of similar
-    length (`_length_groups`); returns each group's encoder state and the members in that order."""
+    length (`_length_groups`; each group by `encode`, default the runtime's encoder on the group
+    padded to its longest); returns each group's encoder state and the members in that order."""
     if len(owners) != len(sources) or len(max_new_tokens) != len(sources):
         raise ValueError("one owner and one max_new_tokens per source")
     if any(not source for source in sources) or min(max_new_tokens) < 1:
@@ -91,7 +93,10 @@ def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Seq
     hooks = hooks if hooks is not None else [None] * len(sources)
     order = newcomer_order(sources)
     groups = _length_groups([len(sources[i]) for i in order], padding_slack)
-    states = [runtime.encode(runtime.pad([sources[order[i]] for i in group])) for group in groups]
+    if encode is None:
+        def encode(group: list[list[int]]) -> EncoderState:
+            return runtime.encode(runtime.pad(group))
+    states = [encode([sources[order[i]] for i in group]) for group in groups]
     return states, [Member.of(owners[i], max_new_tokens[i], hooks[i]) for i in order]
 
 

@@ -285,9 +285,11 @@ class SlotBatch(Generic[Owner]):
             raise ValueError("one beam size >= 1 per source")
         if not self._members:
             self._enter(lone=len(sources) == 1 and beam_sizes[0] == 1)
+        # alone in the lone slot: its source encoded straight into the slot's cross buffers
+        lone = self._lone if self._slots is self._lone and self._lone is not None and self._lone.encodes(sources) else None
         try:
             states, members = encode_newcomers(self.runtime, sources, owners, max_new_tokens, hooks,
-                                               self.padding_slack)
+                                               self.padding_slack, lone.encode if lone is not None else None)
         except BaseException:
             if not self._members:
                 self._release_lone()

@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     )
     lone_step: bool | None = Field(
         default=None, description="a request alone in its running batch decodes in the lone slot (the step "
-        "graph at fixed dimensions, replayed as a CUDA graph on CUDA): unset = on CUDA, true = wherever "
+        "graph and the encoder at fixed dimensions, replayed as CUDA graphs on CUDA): unset = on CUDA, true = wherever "
         "the slots live on a device, false = never",
     )
     gpu_memory_limit_mb: int = Field(

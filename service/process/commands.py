@@ -60,8 +60,8 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    help="continuous batching on the step graph (default: wherever its attention has a "
                    "kernel on the provider; --no-step-graph: on the merged decoder)")
     p.add_argument("--lone-step", action=argparse.BooleanOptionalAction,
-                   help="decode a request alone in its running batch in the lone slot: the step graph at "
-                   "fixed dimensions, replayed as a CUDA graph (default: on CUDA)")
+                   help="decode a request alone in its running batch in the lone slot: the step graph and "
+                   "the encoder at fixed dimensions, replayed as CUDA graphs (default: on CUDA)")
     p.add_argument("--gpu-memory-limit-mb", type=int,
                    help="cap of onnxruntime's CUDA memory arena per session (encoder, decoder, step "
                    "graph of each model), in MiB (default 0: no cap)")

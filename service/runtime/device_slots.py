@@ -53,15 +53,16 @@ from service.runtime.providers import CPU, CUDA
 from service.runtime.step_buffers import binding_kept, cross_in_place
 from service.runtime.tensors import Tensor, shape
 
-_ELEMENT_TYPES = {"tensor(float)": onnx_proto.FLOAT, "tensor(float16)": onnx_proto.FLOAT16,
-                  "tensor(double)": onnx_proto.DOUBLE, "tensor(int8)": onnx_proto.INT8}
+# onnxruntime's type strings of the slot buffers' element types
+ELEMENT_TYPES = {"tensor(float)": onnx_proto.FLOAT, "tensor(float16)": onnx_proto.FLOAT16,
+                 "tensor(double)": onnx_proto.DOUBLE, "tensor(int8)": onnx_proto.INT8}
 
 
 def step_element_types(step: ort.InferenceSession) -> tuple[int, int]:
     """The ONNX element types of the step graph's cache (`past_key.0`) and cross keys/values
     (`cross_key.0`)."""
     types = {i.name: i.type for i in step.get_inputs()}
-    return _ELEMENT_TYPES[types["past_key.0"]], _ELEMENT_TYPES[types["cross_key.0"]]
+    return ELEMENT_TYPES[types["past_key.0"]], ELEMENT_TYPES[types["cross_key.0"]]
 
 
 def step_dtypes(step: ort.InferenceSession) -> tuple[type, type]:

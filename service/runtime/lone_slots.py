@@ -13,7 +13,10 @@ columns and width cost no attention (`bench.static_step` measures each way).
 `LoneSlots` are `DeviceSlots` of one row at those shapes, with their own step session bound once:
 `SlotBatch` decodes a greedy row that arrives at an empty batch in them, and copies it into
 ordinary device slots (`resized`) when other rows join. A runtime has one (its CUDA graph holds
-their addresses): a batch `take`s it and gives it back.
+their addresses): a batch `take`s it and gives it back. The encoder at one row and the source
+width fixed (`attach_encoder`; a CUDA graph on CUDA too) writes the row's cross keys/values
+straight into the slot's buffers (`encode`): the row's source, padded to the width, costs one
+replay and no copy.
 """
 
 from __future__ import annotations
@@ -27,9 +30,16 @@ import numpy as np
 import onnxruntime as ort
 
 from service.repository import graph_io
-from service.runtime.device_slots import DeviceSlots, SlotGraphs, slot_graphs, step_element_types
+from service.runtime import onnx_proto
+from service.runtime.device_slots import (
+    ELEMENT_TYPES,
+    DeviceSlots,
+    SlotGraphs,
+    slot_graphs,
+    step_element_types,
+)
 from service.runtime.providers import CUDA, execution_providers, session_options
-from service.runtime.tensors import Tensor
+from service.runtime.tensors import EncoderState, Tensor
 
 if TYPE_CHECKING:
     from service.runtime.model_runtime import ModelRuntime
@@ -82,11 +92,9 @@ class LoneSlots(DeviceSlots):
         cache_type, cross_type = step_element_types(session)
         super().__init__(graphs, layers, 1, heads, capacity, head_dim, width, cache_type, cross_type)
         self.session = session
+        self.encoder: ort.InferenceSession | None = None  # `attach_encoder`
         self._lock = threading.Lock()
-
-        def value(array: np.ndarray) -> ort.OrtValue:
-            return ort.OrtValue.ortvalue_from_numpy(array, graphs.device, graphs.device_id)
-
+        value = self._value
         self._token, self._position = value(np.zeros((1, 1), np.int64)), value(np.zeros((1, 1), np.int64))
         self._mask_host = np.zeros((1, width), dtype=bool)
         self._mask = value(self._mask_host)
@@ -106,6 +114,55 @@ class LoneSlots(DeviceSlots):
             binding.bind_ortvalue_input(past, buffer)
             binding.bind_ortvalue_output(present, buffer)  # the same memory: in place
 
+    def _value(self, array: np.ndarray) -> ort.OrtValue:
+        """`array` copied into a new OrtValue on the slot's device."""
+        return ort.OrtValue.ortvalue_from_numpy(array, self.graphs.device, self.graphs.device_id)
+
+    def attach_encoder(self, session: ort.InferenceSession, pad_id: int) -> None:
+        """Bind `session` (the encoder graph at one row and source width `width`) once: its ids
+        (padded with `pad_id`) and, as its outputs, this slot's cross buffers. Raises ValueError
+        when the encoder's cross keys/values are not of the buffers' type."""
+        names = graph_io.cross_names(self.layers)
+        types = {o.name: o.type for o in session.get_outputs()}
+        if any(ELEMENT_TYPES.get(types.get(name, "")) != buffer.element_type()
+               for name, buffer in zip(names, self.cross, strict=True)):
+            raise ValueError(f"the encoder's cross outputs are {sorted({types.get(n, '-') for n in names})}, "
+                             "not of the slot's buffers' type")
+        self._pad_id = pad_id
+        self._ids = self._value(np.full((1, self.width), pad_id, dtype=np.int64))
+        binding = session.io_binding()
+        binding.bind_ortvalue_input("input_ids", self._ids)
+        for name, buffer in zip(names, self.cross, strict=True):
+            binding.bind_ortvalue_output(name, buffer)
+        # the other outputs (the encoder's attention weights) at fixed addresses too, never read:
+        # a captured CUDA graph writes where it wrote at the capture
+        self._unread = []
+        for output in session.get_outputs():
+            if output.name not in names:
+                scratch = ort.OrtValue.ortvalue_from_shape_and_type(
+                    output.shape, onnx_proto.NUMPY_TYPES[ELEMENT_TYPES[output.type]].type, self.graphs.device,
+                    self.graphs.device_id)
+                binding.bind_ortvalue_output(output.name, scratch)
+                self._unread.append(scratch)
+        self.encoder, self._encoder_binding = session, binding
+
+    def encodes(self, sources: Sequence[list[int]]) -> bool:
+        """Whether `encode` takes `sources`: one source no wider than the slot, an encoder attached."""
+        return self.encoder is not None and len(sources) == 1 and len(sources[0]) <= self.width
+
+    def encode(self, sources: Sequence[list[int]]) -> EncoderState:
+        """One source (ids ending with EOS, at most `width`) through the attached encoder, its
+        cross keys/values written into this slot's buffers; the state holds those buffers
+        (`write` then copies nothing) and the source mask, `width` wide."""
+        if self.encoder is None or not self.encodes(sources):
+            raise ValueError(f"the lone encoder takes one source of at most {self.width} tokens")
+        ids = np.full((1, self.width), self._pad_id, dtype=np.int64)
+        ids[0, :len(sources[0])] = sources[0]
+        self._ids.update_inplace(ids)
+        self.encoder.run_with_iobinding(self._encoder_binding)
+        return EncoderState(source_mask=ids != self._pad_id, cross_keys=list(self.cross[0::2]),
+                            cross_values=list(self.cross[1::2]))
+
     @classmethod
     def of(cls, runtime: ModelRuntime, session: ort.InferenceSession) -> LoneSlots:
         """The lone slot of `runtime` (on its device, at its model's limits) stepped by `session`."""
@@ -122,9 +179,11 @@ class LoneSlots(DeviceSlots):
 
     def write(self, row: int, cross: Sequence[Tensor]) -> None:
         """The row's (1, h, w, d) cross keys/values (`DeviceSlots.write`; the mask comes with
-        each step)."""
+        each step); nothing to copy when they are this slot's own buffers (`encode`)."""
         if row != 0:
             raise ValueError(f"lone slots hold row 0 only, not {row}")
+        if len(cross) == len(self.cross) and all(a is b for a, b in zip(cross, self.cross, strict=True)):
+            return  # encoded in place (`encode`)
         super().write(row, cross)
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> DeviceSlots:

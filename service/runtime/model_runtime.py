@@ -191,7 +191,7 @@ class ModelRuntime:
             runtime._check_cache_dtype()
             if step is not None and bind and (provider == CUDA if lone_step is None else lone_step):
                 runtime.lone = _lone_slots(directory / manifest.variants[chosen].step_decoder, runtime, threads,
-                                           gpu_memory_limit_mb)
+                                           gpu_memory_limit_mb, directory / manifest.variants[chosen].encoder)
             if shortlist and step is not None and provider == CPU and manifest.variants[chosen].shortlist:
                 runtime.shortlist = _load_shortlist(directory, manifest.variants[chosen], manifest.config.vocab_size,
                                                     threads, spinning, memory_arena)
@@ -403,11 +403,13 @@ class ModelRuntime:
                            np.full((2, 1), position, dtype=np.int64), state.source_mask)
 
 
-def _lone_slots(path: Path, runtime: ModelRuntime, threads: int, gpu_memory_limit_mb: int = 0) -> LoneSlots | None:
+def _lone_slots(path: Path, runtime: ModelRuntime, threads: int, gpu_memory_limit_mb: int = 0,
+                encoder: Path | None = None) -> LoneSlots | None:
     """The runtime's lone slot (`service.runtime.lone_slots`): its step graph at fixed dimensions,
-    replayed as a CUDA graph on CUDA, stepped three times at load (the capture); None, with a
-    warning naming onnxruntime's reason, when the session cannot be made or run, or the step
-    graph quantizes its cache (device slots hold float caches)."""
+    replayed as a CUDA graph on CUDA, stepped three times at load (the capture), and the
+    `encoder` graph at one row and the source width attached (`_lone_encoder`); None, with a
+    warning naming onnxruntime's reason, when the step's session cannot be made or run, or the
+    step graph quantizes its cache (device slots hold float caches)."""
     assert runtime.step is not None
     if cross_scales(runtime.step) is not None:
         return None
@@ -421,11 +423,31 @@ def _lone_slots(path: Path, runtime: ModelRuntime, threads: int, gpu_memory_limi
         for position in range(3):  # on zeros: onnxruntime runs, captures and replays the CUDA graph here
             slots.step(session, np.full((1, 1), runtime.decoder_start_id, dtype=np.int64),
                        np.full((1, 1), position, dtype=np.int64), mask)
-        return slots
     except Exception as error:  # noqa: BLE001 - onnxruntime's refusal (a node with no kernel there) is logged
         logger.warning("%s: no lone-row step graph (%s: %s); a lone request steps with the batch's", runtime.name,
                        type(error).__name__, error)
         return None
+    if encoder is not None:
+        _lone_encoder(encoder, runtime, slots, threads, gpu_memory_limit_mb)
+    return slots
+
+
+def _lone_encoder(path: Path, runtime: ModelRuntime, slots: LoneSlots, threads: int, gpu_memory_limit_mb: int) -> None:
+    """Attach the encoder graph at `path`, at one row and the slot's source width (a CUDA graph
+    on CUDA), to the lone slot, run three times at load on an empty source (the capture); left
+    out, with a warning naming the reason, when it cannot be made, bound or run (a lone row's
+    source is then encoded as a batch's and copied into the slot)."""
+    try:
+        session = lone_session(path, runtime.provider, {"batch": 1, "source_len": slots.width},
+                               cuda_graph=runtime.provider == CUDA, threads=threads, device_id=runtime.device_id,
+                               fold_dequantize=runtime.variant == "int8", gpu_memory_limit_mb=gpu_memory_limit_mb)
+        slots.attach_encoder(session, runtime.pad_id)
+        for _ in range(3):
+            slots.encode([[runtime.eos_id]])
+    except Exception as error:  # noqa: BLE001 - onnxruntime's refusal or a type the slot does not hold is logged
+        slots.encoder = None
+        logger.warning("%s: no lone-row encoder (%s: %s); a lone request's source is encoded as a batch's",
+                       runtime.name, type(error).__name__, error)
 
 
 def _load_tokenizer(directory: Path, manifest: Manifest) -> Tokenizer | VocabTokenizer:

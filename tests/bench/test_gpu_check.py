@@ -111,6 +111,24 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "in flight (PyTorch fp32, batch 4): 1.50." in gpu_check.markdown(results)
 
 
+def test_the_lone_path_is_timed_with_and_without_the_slots_encoder(tiny_model_repository: Path) -> None:
+    """On a runtime with a lone slot (the CPU device here), the single sentence's replay runs
+    with the slot's own encoder and again with the source copied in; both encoder calls are
+    timed, and the runtime and the slot get their own `encode` back."""
+    from service.runtime import ModelRuntime
+
+    runtime = ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32", io_binding=True,
+                                lone_step=True)
+    assert runtime.lone is not None and runtime.lone.encoder is not None
+    sources = [[*runtime.tokenizer.encode(text), runtime.eos_id] for text in ("abc de", "fgh", "ab cd ef")]
+    alone = gpu_check.step_graph_alone(runtime, tiny_model_repository, sources, CPU)
+    copied = alone["copied_source"]
+    for run in (alone, copied):
+        assert run["ms_per_sentence"] > run["join_ms_per_sentence"] > run["encode_ms_per_sentence"] > 0
+        assert run["steps"] >= len(sources)
+    assert runtime.lone.encoder is not None and "encode" not in vars(runtime) and "encode" not in vars(runtime.lone)
+
+
 def test_quality_says_why_it_could_not_score(tmp_path: Path, monkeypatch) -> None:
     """Without references, or without the metric's package on the host, the report says why."""
     import export.quality

@@ -5,6 +5,7 @@ graph): the same tokens as host slots and as each row alone."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from service.batching.slot_batch import SlotBatch
@@ -169,6 +170,51 @@ def test_a_lone_slot_that_cannot_be_made_leaves_lone_requests_to_the_batch(tiny_
     assert "no lone-row step graph (RuntimeError: not every node runs on CUDA)" in caplog.text
 
 
+def test_a_lone_rows_source_is_encoded_straight_into_the_slot(lone: ModelRuntime, sources, monkeypatch) -> None:
+    """The lone slot's own encoder (one row, the source width fixed) writes the row's cross
+    keys/values into the slot's buffers: the batch encoder is not called, the buffers hold what
+    it gives over the source's columns, and the row decodes what it decodes alone (above)."""
+    slots = lone.lone
+    assert slots is not None and slots.encoder is not None
+    assert [i.shape for i in slots.encoder.get_inputs()] == [[1, slots.width]]
+    source = max(sources, key=len)
+    expected = lone.encode(lone.pad([source]))
+    calls: list[int] = []
+    batch_encode = lone.encode
+    monkeypatch.setattr(lone, "encode", lambda *args, **kwargs: calls.append(1) or batch_encode(*args, **kwargs))
+    batch: SlotBatch[int] = SlotBatch(lone, rows=4, keep_bytes=0, on_device=True)
+    batch.concatenate([source], [0], [LIMIT])
+    assert batch._slots is slots and not calls
+    for buffer, tensor in zip(slots.cross, [t for pair in zip(expected.cross_keys, expected.cross_values) for t in pair],
+                              strict=True):
+        wanted = tensor.numpy() if hasattr(tensor, "numpy") else tensor
+        assert np.allclose(buffer.numpy()[:, :, :len(source)], wanted, atol=1e-5)
+    assert batch._source_mask[0].sum() == len(source)
+    _drain(batch)
+    assert slots.encodes([source]) and not slots.encodes([source, source])
+    assert not slots.encodes([[lone.eos_id] * (slots.width + 1)])  # wider than the slot: the batch encoder
+
+
+def test_a_lone_encoder_that_cannot_be_made_leaves_the_slot_copying(tiny_model_repository, tiny_runtime, monkeypatch,
+                                                                    caplog, sources) -> None:
+    """A refused lone encoder is one warning: the lone slot stays, its row's source encoded as a
+    batch's and copied in, decoding what it decodes alone."""
+    def refuse(self, session, pad_id):
+        raise ValueError("the encoder's cross outputs are not of the slot's buffers' type")
+
+    monkeypatch.setattr(LoneSlots, "attach_encoder", refuse)
+    runtime = ModelRuntime.load(tiny_model_repository, [CPU], threads=1, variant="fp32", io_binding=True,
+                                lone_step=True)
+    assert runtime.lone is not None and runtime.lone.encoder is None
+    assert "no lone-row encoder (ValueError: the encoder's cross outputs" in caplog.text
+    batch: SlotBatch[int] = SlotBatch(runtime, rows=4, keep_bytes=0, on_device=True)
+    batch.concatenate([sources[0]], [0], [LIMIT])
+    assert batch._slots is runtime.lone
+    result = _drain(batch)[0]
+    alone = generate(tiny_runtime, [sources[0]], 1, LIMIT)[0]
+    assert (result.tokens, result.finish_reason) == (alone.tokens, alone.finish_reason)
+
+
 def test_the_lone_session_takes_the_model_sessions_providers() -> None:
     """On CUDA the lone session's provider options are the model sessions' (the memory cap, TF32
     off) plus its device and the graph capture; on the CPU the same plain provider."""
@@ -186,8 +232,9 @@ def test_the_lone_session_takes_the_model_sessions_providers() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu with CUDAExecutionProvider")
 def test_on_cuda_a_lone_row_replays_a_cuda_graph(tiny_fp16_repository, sources) -> None:
-    """The fp16 variant on CUDA has a lone slot whose session replays a CUDA graph; rows alone
-    decode in it what they decode in device slots (the same kernels, captured)."""
+    """The fp16 variant on CUDA has a lone slot whose step and encoder sessions replay CUDA
+    graphs; rows alone decode in it what they decode in device slots (the same kernels, captured;
+    the source padded to the slot's width)."""
     from service.runtime import CUDA
 
     cuda = ModelRuntime.load(tiny_fp16_repository, [CUDA, CPU], variant="fp16", step_graph=True,
@@ -195,6 +242,8 @@ def test_on_cuda_a_lone_row_replays_a_cuda_graph(tiny_fp16_repository, sources) 
     assert cuda.lone is not None and cuda.lone.graphs.device == "cuda"
     options = cuda.lone.session.get_provider_options()[CUDA]
     assert options.get("enable_cuda_graph") == "1" and options["gpu_mem_limit"] == str(256 * 2**20)
+    assert cuda.lone.encoder is not None  # the lone row's encoder, replayed as a CUDA graph too
+    assert cuda.lone.encoder.get_provider_options()[CUDA].get("enable_cuda_graph") == "1"
     lone: SlotBatch[int] = SlotBatch(cuda)
     plain: SlotBatch[int] = SlotBatch(cuda)
     assert cuda.lone.take()  # held: `plain` steps its lone rows in its own device slots
