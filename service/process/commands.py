@@ -148,8 +148,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         logger.info("serving %s on http://%s:%d with %d workers", settings.models_dir,
                     settings.host, settings.port, settings.workers)
-        run_workers(settings)
-        return 0
+        return run_workers(settings)
     # one process: the app's modules load here (the supervisor of `--workers` never imports them)
     import uvicorn  # lazy: only the serve extra has it
 

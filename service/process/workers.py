@@ -70,8 +70,9 @@ def app_from_environment() -> FastAPI:
     return create_app(Settings())
 
 
-def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) -> None:
-    """Serve with `settings.workers` processes until SIGTERM or SIGINT (which drains them)."""
+def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) -> int:
+    """Serve with `settings.workers` processes until SIGTERM or SIGINT (which drains them);
+    returns the exit status: 0, or 1 when the address cannot be bound (logged)."""
     import uvicorn
 
     os.environ.update(environ if environ is not None else settings_environment(settings))
@@ -86,10 +87,16 @@ def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) ->
     directory = given or tempfile.mkdtemp(prefix="attnserve-metrics-")
     os.environ[MULTIPROCESS_DIR] = directory
     try:
-        if SPREADS:
-            Supervisor(uvicorn.Config("service.process.workers:app_from_environment", **options)).run()
-        else:
+        if not SPREADS:
             uvicorn.run("service.process.workers:app_from_environment", **options)
+            return 0
+        try:
+            supervisor = Supervisor(uvicorn.Config("service.process.workers:app_from_environment", **options))
+        except OSError as error:
+            logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, error)
+            return 1
+        supervisor.run()
+        return 0
     finally:
         if not given:
             shutil.rmtree(directory, ignore_errors=True)

@@ -155,6 +155,21 @@ def test_each_worker_listens_on_its_own_socket_and_connections_spread(served_tin
                 process.kill()
 
 
+def test_workers_on_an_address_in_use_exit_1_with_one_line(served_tiny_models: Path, tmp_path: Path) -> None:
+    """A port another socket holds: the supervisor says so and exits 1, no traceback."""
+    from tests.service.test_serve import serve_command
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [*serve_command(), "serve", "--host", "127.0.0.1", "--port", str(port), "--models",
+             str(served_tiny_models), "--workers", "2"],
+            env={**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider"}, capture_output=True, text=True,
+            timeout=120, check=False)
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "Traceback" not in result.stderr
+
+
 def _translations_counted(port: int) -> float:
     """`attnserve_requests_total` of /v1/translate's 2xx answers in one scrape of `/metrics`."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
