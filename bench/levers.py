@@ -19,6 +19,10 @@ own models when `--models` is a relative path) in the same turns: a change to th
 models measured against the commit before it; `--baseline-variant NAME` gives that checkout one
 variant's flags instead of the defaults.
 
+While the load runs it reads, twice a second, how many connections each serving process holds
+(`connections_per_process`: with `--workers`, each worker's), and keeps the reading with the
+most: how evenly the connections spread over the processes.
+
 Each run records the server's CPU seconds and, of them, its event loop's (the main thread's:
 HTTP, validation, tokenization, responses) per request; the rest is the batch workers'. It also
 records the load generator's CPU per request (this process's while the load runs: the load

@@ -4,11 +4,11 @@ restarted if it dies.
 On Linux each worker accepts on its own socket bound to the same address with `SO_REUSEPORT`,
 so the kernel spreads new connections over the workers by their addresses: kept-alive
 connections opened at once land evenly, where on one shared socket whichever process wakes
-first takes them. `Supervisor` keeps
-uvicorn's worker processes (`uvicorn.supervisors.multiprocess.Process`: the health ping, the
-server) and gives each its socket; a worker that exits or stops answering is replaced on a new
-one (only that worker's in-flight requests fail), and a bound, never listening socket holds the
-address between them. Elsewhere uvicorn's own supervisor serves all workers on one socket.
+first takes them. `Supervisor` keeps uvicorn's worker processes
+(`uvicorn.supervisors.multiprocess.Process`: the health ping, the server) and gives each its
+socket; a worker that exits or stops answering is replaced on a new one (only that worker's
+in-flight requests fail), and a bound, never listening socket holds the address between them.
+Elsewhere uvicorn's own supervisor serves all workers on one socket.
 
 Each worker builds its own app from the environment (`app_from_environment`): the parent
 writes the effective settings into `ATTNSERVE_*` variables before spawning. Every worker loads

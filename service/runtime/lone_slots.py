@@ -68,10 +68,11 @@ def lone_providers(provider: str, cuda_graph: bool = False, device_id: int = 0,
 def lone_session(path: str | Path, provider: str, dimensions: dict[str, int], cuda_graph: bool = False,
                  threads: int = 0, device_id: int = 0, fold_dequantize: bool = False,
                  gpu_memory_limit_mb: int = 0) -> ort.InferenceSession:
-    """The step graph at `path` in a session with `dimensions` fixed, on `provider` (on CUDA, with
-    `cuda_graph`, onnxruntime's graph capture on: every node must then run on CUDA), with the
-    model sessions' options (`session_options`: `fold_dequantize` for int8 graphs) and providers
-    (`lone_providers`: `gpu_memory_limit_mb` caps its CUDA arena as the model's sessions')."""
+    """The graph at `path` (the step graph, or the encoder) in a session with `dimensions` fixed,
+    on `provider` (on CUDA, with `cuda_graph`, onnxruntime's graph capture on: every node must
+    then run on CUDA), with the model sessions' options (`session_options`: `fold_dequantize` for
+    int8 graphs) and providers (`lone_providers`: `gpu_memory_limit_mb` caps its CUDA arena as
+    the model's sessions')."""
     options = session_options(threads, spinning=False, fold_dequantize=fold_dequantize)
     for name, value in dimensions.items():
         options.add_free_dimension_override_by_name(name, value)
