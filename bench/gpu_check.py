@@ -35,10 +35,12 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import onnxruntime as ort
+import psutil
 
 from bench import gqa_cuda, join_cost, machine, static_step, step_graph_parity
 from bench.in_process import load_runtime, run_batches
@@ -68,8 +70,11 @@ PROFILED_ALONE = 16  # sentences of the profiled replay, one at a time on the st
 STATIC_ALONE = 16  # sentences decoded alone on a step graph of fixed shapes (and as a CUDA graph)
 
 
-def gpu() -> dict[str, str] | None:
-    """Name, driver and memory of the first GPU as `nvidia-smi` reports them, or None."""
+def gpu(pids: Collection[int] = ()) -> dict[str, Any] | None:
+    """Name, driver and memory of the first GPU as `nvidia-smi` reports them, or None; with
+    `pids`, also the memory those processes hold (`processes_used_mib`, None where nvidia-smi
+    lists none of them: another PID namespace), apart from what other processes (this one's
+    in-process sessions among them) hold."""
     if shutil.which("nvidia-smi") is None:
         return None
     query = "--query-gpu=name,driver_version,memory.total,memory.used"
@@ -78,7 +83,28 @@ def gpu() -> dict[str, str] | None:
     if result.returncode != 0 or not result.stdout.strip():
         return None
     name, driver, total, used = (part.strip() for part in result.stdout.splitlines()[0].split(","))
-    return {"name": name, "driver": driver, "memory_total_mib": total, "memory_used_mib": used}
+    found: dict[str, Any] = {"name": name, "driver": driver, "memory_total_mib": total, "memory_used_mib": used}
+    if pids:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_gpu_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, check=False)
+        held = [int(mib) for pid, mib in (line.split(",") for line in apps.stdout.splitlines() if line.count(",") == 1)
+                if pid.strip().isdigit() and int(pid) in pids and mib.strip().isdigit()]
+        found["processes_used_mib"] = sum(held) if held else None
+    return found
+
+
+def served_gpu(server: ServerProcess) -> dict[str, Any] | None:
+    """`gpu`, with the memory the server's processes hold apart."""
+    return gpu(process_tree(server.process.pid) if server.process is not None else ())
+
+
+def process_tree(pid: int) -> set[int]:
+    """`pid` and its descendants (a server and its workers)."""
+    try:
+        root = psutil.Process(pid)
+        return {pid, *(child.pid for child in root.children(recursive=True))}
+    except psutil.Error:
+        return {pid}
 
 
 def skip_reason(provider: str) -> str | None:
@@ -315,11 +341,11 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                 result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
                 report.setdefault("service_processes", {})[str(processes)] = {
                     "max_batch_size": rows, "concurrency": max(concurrency), "stats": result.stats().to_dict()}
-                report[f"memory_during_service_p{processes}"] = gpu()
+                report[f"memory_during_service_p{processes}"] = served_gpu(server)
             elif mode == "wide":
                 result = asyncio.run(closed_loop(url, text_bodies(texts), rows))
                 report["service_wide"] = {"max_batch_size": rows, "concurrency": rows, "stats": result.stats().to_dict()}
-                report[f"memory_during_service_{rows}"] = gpu()
+                report[f"memory_during_service_{rows}"] = served_gpu(server)
             elif mode != "default":
                 clients = 1 if mode in SINGLE_MODES else max(concurrency)
                 result = asyncio.run(closed_loop(url, text_bodies(texts if clients > 1 else texts[:ALONE]), clients))
@@ -334,13 +360,13 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                 for clients in concurrency:  # one client at a time: the first ALONE sentences, as in-process
                     result = asyncio.run(closed_loop(url, text_bodies(texts if clients > 1 else texts[:ALONE]), clients))
                     report["service"][str(clients)] = result.stats().to_dict()
-                report["memory_during_service"] = gpu()
+                report["memory_during_service"] = served_gpu(server)
                 report["service_peak_rss_mib"] = server.rss.peak_bytes / 2**20 if server.rss else None
                 report["service_batch_sizes"] = {str(rows): report["service"][str(max(concurrency))]}
             else:
                 result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
                 report["service_batch_sizes"][str(rows)] = result.stats().to_dict()
-                report[f"memory_during_service_{rows}"] = gpu()
+                report[f"memory_during_service_{rows}"] = served_gpu(server)
 
     device = "cuda" if provider == CUDA else "cpu"
     report["pytorch"] = torch_baseline(models / model, sources, batch_sizes, max_new_tokens, device)
@@ -506,8 +532,11 @@ def markdown(results: dict[str, Any]) -> str:
             lines += ["", (f"p50 of a single request: service {latency['service_p50_s'] * 1000:.1f} ms, the graphs "
                            f"in-process {latency['in_process_alone_p50_s'] * 1000:.1f} ms "
                            f"(bound ≤ {latency['bound_s'] * 1000:.0f} ms: {status}).")]
+        own = memory.get("processes_used_mib")
         lines += ["", (f"GPU memory in use while serving: {memory.get('memory_used_mib', '-')} MiB "
-                       f"of {memory.get('memory_total_mib', '-')}."), ""]
+                       f"of {memory.get('memory_total_mib', '-')}"
+                       + (f", the server's own processes {own} MiB (the rest: this process's in-process "
+                          "sessions and the others')." if own is not None else ".")), ""]
     return "\n".join(lines)
 
 

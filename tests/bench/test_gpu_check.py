@@ -4,7 +4,9 @@ CPU provider, the same code) over the tiny model."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -127,6 +129,24 @@ def test_the_lone_path_is_timed_with_and_without_the_slots_encoder(tiny_model_re
         assert run["ms_per_sentence"] > run["join_ms_per_sentence"] > run["encode_ms_per_sentence"] > 0
         assert run["steps"] >= len(sources)
     assert runtime.lone.encoder is not None and "encode" not in vars(runtime) and "encode" not in vars(runtime.lone)
+
+
+def test_the_gpu_memory_of_given_processes_is_read_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-smi's compute apps: the memory the given processes hold, summed; None when it
+    lists none of them."""
+    answers = {"--query-gpu=name,driver_version,memory.total,memory.used": "NVIDIA H100, 580.1, 81559, 14723\n",
+               "--query-compute-apps=pid,used_gpu_memory": "100, 9000\n200, 2500\n300, 2700\n"}
+
+    def nvidia_smi(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(command, 0, answers[command[1]], "")
+
+    monkeypatch.setattr(gpu_check.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(gpu_check.subprocess, "run", nvidia_smi)
+    assert gpu_check.gpu() == {"name": "NVIDIA H100", "driver": "580.1", "memory_total_mib": "81559",
+                               "memory_used_mib": "14723"}
+    assert gpu_check.gpu({200, 300})["processes_used_mib"] == 5200
+    assert gpu_check.gpu({400})["processes_used_mib"] is None
+    assert gpu_check.process_tree(os.getpid()) >= {os.getpid()}
 
 
 def test_quality_says_why_it_could_not_score(tmp_path: Path, monkeypatch) -> None:
