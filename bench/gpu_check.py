@@ -332,7 +332,8 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
         command = service_command(models, port, providers=providers, max_queue_size=max(4096, 4 * max(concurrency)))
-        command += ["--max-batch-size", str(rows), "--max-batch-tokens", str(rows * manifest.max_source_len)]
+        command += ["--max-batch-size", str(rows), "--max-batch-tokens", str(rows * manifest.max_source_len),
+                    "--max-connections", str(max(1000, 2 * max(*concurrency, wide or 0)))]  # every client in
         command += SERVICE_MODES.get(mode, []) + (["--workers", str(processes)] if processes > 1 else [])
         log = out / (f"service-{model}-{rows}{'' if mode in ('default', 'wide') else '-' + SERVICE_MODES[mode][0][2:]}"
                      f"{f'-p{processes}' if processes > 1 else ''}.log")
