@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,18 @@ def gpu(pids: Collection[int] = ()) -> dict[str, Any] | None:
                 if pid.strip().isdigit() and int(pid) in pids and mib.strip().isdigit()]
         found["processes_used_mib"] = sum(held) if held else None
     return found
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (at most 65,536): the
+    1024-client run opens a socket per client here, and the servers started from here inherit
+    it. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    return soft
 
 
 def served_gpu(server: ServerProcess) -> dict[str, Any] | None:
@@ -564,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 instead of 0 when it cannot run")
     args = parser.parse_args(argv)
+    raise_open_files_limit()
 
     reason = skip_reason(args.provider)
     if reason is not None:

@@ -149,6 +149,21 @@ def test_the_gpu_memory_of_given_processes_is_read_apart(monkeypatch: pytest.Mon
     assert gpu_check.process_tree(os.getpid()) >= {os.getpid()}
 
 
+def test_the_open_files_limit_is_raised_for_a_thousand_clients() -> None:
+    """From a soft limit of 256, up to the hard limit (at most 65,536)."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = before[1]
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        soft = gpu_check.raise_open_files_limit()
+        assert soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert soft == (65536 if hard == resource.RLIM_INFINITY else min(hard, 65536))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
 def test_quality_says_why_it_could_not_score(tmp_path: Path, monkeypatch) -> None:
     """Without references, or without the metric's package on the host, the report says why."""
     import export.quality
