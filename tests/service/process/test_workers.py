@@ -155,6 +155,36 @@ def test_each_worker_listens_on_its_own_socket_and_connections_spread(served_tin
                 process.kill()
 
 
+def test_sigterm_stops_every_worker_and_the_supervisor_exits_0(served_tiny_models: Path, tmp_path: Path) -> None:
+    """SIGTERM to the supervisor: each worker is asked to drain and stops, requests sent before
+    it are answered, and the supervisor exits 0 with no worker left behind."""
+    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as output, subprocess.Popen(
+        [*serve_command(), "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--models", str(served_tiny_models), "--workers", "2"],
+        env={**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1"},
+        stdout=output, stderr=subprocess.STDOUT,
+    ) as process:
+        try:
+            wait_ready(port, STARTUP_TIMEOUT_S)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while len(workers := worker_pids(process.pid)) < 2:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            statuses = [httpx.post(f"http://127.0.0.1:{port}/v1/translate", json=BODY, timeout=30).status_code
+                        for _ in range(4)]
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(60) == 0, log.read_text()[-3000:]
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert statuses == [200] * 4
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
+
+
 def test_workers_on_an_address_in_use_exit_1_with_one_line(served_tiny_models: Path, tmp_path: Path) -> None:
     """A port another socket holds: the supervisor says so and exits 1, no traceback."""
     from tests.service.test_serve import serve_command
