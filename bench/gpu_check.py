@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import onnxruntime as ort
-import psutil
 
 from bench import gqa_cuda, join_cost, machine, static_step, step_graph_parity
 from bench.in_process import load_runtime, run_batches
@@ -112,12 +111,19 @@ def served_gpu(server: ServerProcess) -> dict[str, Any] | None:
 
 
 def process_tree(pid: int) -> set[int]:
-    """`pid` and its descendants (a server and its workers)."""
-    try:
-        root = psutil.Process(pid)
-        return {pid, *(child.pid for child in root.children(recursive=True))}
-    except psutil.Error:
-        return {pid}
+    """`pid` and its descendants (a server and its workers), from Linux's /proc (an offline GPU
+    host may have no psutil)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        found.add(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo += [int(child) for child in children.read_text().split() if int(child) not in found]
+            except (OSError, ValueError):
+                continue
+    return found
 
 
 def skip_reason(provider: str) -> str | None:

@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,7 +148,15 @@ def test_the_gpu_memory_of_given_processes_is_read_apart(monkeypatch: pytest.Mon
                                "memory_used_mib": "14723"}
     assert gpu_check.gpu({200, 300})["processes_used_mib"] == 5200
     assert gpu_check.gpu({400})["processes_used_mib"] is None
-    assert gpu_check.process_tree(os.getpid()) >= {os.getpid()}
+    grandchild = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    with subprocess.Popen([sys.executable, "-c", grandchild]) as child:
+        deadline = time.monotonic() + 10
+        while len(tree := gpu_check.process_tree(child.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in tree - {child.pid}:
+            os.kill(pid, 9)
+        child.kill()
+    assert child.pid in tree and len(tree) == 2 and os.getpid() not in tree  # the child and its own child
 
 
 def test_the_open_files_limit_is_raised_for_a_thousand_clients() -> None:
