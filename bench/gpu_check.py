@@ -111,8 +111,7 @@ def served_gpu(server: ServerProcess) -> dict[str, Any] | None:
 
 
 def process_tree(pid: int) -> set[int]:
-    """`pid` and its descendants (a server and its workers), from Linux's /proc (an offline GPU
-    host may have no psutil)."""
+    """`pid` and its descendants (a server and its workers), from Linux's /proc."""
     found: set[int] = set()
     todo = [pid]
     while todo:
