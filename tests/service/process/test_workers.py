@@ -113,7 +113,7 @@ def test_each_worker_listens_on_its_own_socket_and_connections_spread(served_tin
                                                                        tmp_path: Path) -> None:
     """Each worker accepts on a listening socket of its own (none is shared), so the kernel
     spreads 64 connections opened at once over the two: each holds at least 16 (below that
-    by chance: about 1 in 100,000)."""
+    by chance, for either: about 1 in 40,000)."""
     from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
 
     port = free_port()
