@@ -155,6 +155,41 @@ def test_each_worker_listens_on_its_own_socket_and_connections_spread(served_tin
                 process.kill()
 
 
+def test_where_the_kernel_does_not_spread_uvicorns_supervisor_serves_one_socket(served_tiny_models: Path,
+                                                                                tmp_path: Path) -> None:
+    """Without `SO_REUSEPORT` balancing (`SPREADS` off, as off Linux) the workers share uvicorn's
+    one listening socket and serve."""
+    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, wait_ready
+
+    port = free_port()
+    code = ("import sys, service.process.workers as w; w.SPREADS = False; "
+            "from attnserve.cli import main; sys.exit(main())")
+    log = tmp_path / "serve.log"
+    with log.open("w") as output, subprocess.Popen(
+        [sys.executable, "-c", code, "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--models", str(served_tiny_models), "--workers", "2"],
+        env={**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1"},
+        stdout=output, stderr=subprocess.STDOUT,
+    ) as process:
+        try:
+            wait_ready(port, STARTUP_TIMEOUT_S)
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            own: dict[int, set[int]] = {}
+            while len(own) < 2 or not all(own.values()):
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+                listening = tcp_sockets(port, "0A")
+                own = {pid: socket_inodes(pid) & listening for pid in worker_pids(process.pid)}
+            assert len(set.union(*own.values())) == 1  # one socket, held by both
+            assert httpx.post(f"http://127.0.0.1:{port}/v1/translate", json=BODY, timeout=30).status_code == 200
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
 def test_sigterm_stops_every_worker_and_the_supervisor_exits_0(served_tiny_models: Path, tmp_path: Path) -> None:
     """SIGTERM to the supervisor: each worker is asked to drain and stops, requests sent before
     it are answered, and the supervisor exits 0 with no worker left behind."""
