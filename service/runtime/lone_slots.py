@@ -83,8 +83,9 @@ def lone_session(path: str | Path, provider: str, dimensions: dict[str, int], cu
 class LoneSlots(DeviceSlots):
     """One slot of `capacity` cache columns and source width `width` on `graphs`' device, with
     `session` (a step graph of those fixed dimensions) bound once to it: the buffers, the next
-    token, position and source mask (device values written in place before each step) and the
-    logits. `step` ignores the batch's session and runs this one."""
+    token and its position (one device value, written in place before each step), the source
+    mask (written when the source changes) and the logits. `step` ignores the batch's session
+    and runs this one."""
 
     shares_buffers = False  # slots resized from these never hold their buffers
 
@@ -96,7 +97,9 @@ class LoneSlots(DeviceSlots):
         self.encoder: ort.InferenceSession | None = None  # `attach_encoder`
         self._lock = threading.Lock()
         value = self._value
-        self._token, self._position = value(np.zeros((1, 1), np.int64)), value(np.zeros((1, 1), np.int64))
+        # the next token and its position in one buffer, rows 0 and 1: one copy to the device a step
+        self._feed_host = np.zeros((2, 1), dtype=np.int64)
+        self._feed = value(self._feed_host)
         self._mask_host = np.zeros((1, width), dtype=bool)
         self._mask = value(self._mask_host)
         vocab = session.get_outputs()[0].shape[-1]
@@ -104,8 +107,9 @@ class LoneSlots(DeviceSlots):
         outputs = {o.name for o in session.get_outputs()}
         binding = self.binding = session.io_binding()
         binding.bind_ortvalue_output("logits", self._logits)
-        for name, bound in (("input_ids", self._token), ("positions", self._position), ("source_mask", self._mask)):
-            binding.bind_ortvalue_input(name, bound)
+        graphs.bind_view(binding, "input_ids", self._feed, (1, 1), row=0)
+        graphs.bind_view(binding, "positions", self._feed, (1, 1), row=1)
+        binding.bind_ortvalue_input("source_mask", self._mask)
         for name, buffer in zip(graph_io.cross_names(layers), self.cross, strict=True):
             binding.bind_ortvalue_input(name, buffer)
             if f"present_{name}" in outputs:  # cross-attention over the row's own source: in place
@@ -201,8 +205,9 @@ class LoneSlots(DeviceSlots):
         if len(input_ids) != 1 or source_mask.shape[1] != self.width:
             raise ValueError(f"lone slots step one row of source width {self.width}, "
                              f"got {len(input_ids)} of {source_mask.shape[1]}")
-        self._token.update_inplace(np.ascontiguousarray(input_ids, dtype=np.int64).reshape(1, 1))
-        self._position.update_inplace(np.ascontiguousarray(positions, dtype=np.int64).reshape(1, 1))
+        self._feed_host[0, 0] = np.asarray(input_ids).reshape(-1)[0]
+        self._feed_host[1, 0] = np.asarray(positions).reshape(-1)[0]
+        self._feed.update_inplace(self._feed_host)
         if not np.array_equal(source_mask, self._mask_host):  # a new source: written once
             self._mask_host = np.array(source_mask, dtype=bool)
             self._mask.update_inplace(self._mask_host)
