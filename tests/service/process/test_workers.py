@@ -10,6 +10,7 @@ on those instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -108,114 +110,96 @@ def socket_inodes(pid: int) -> set[int]:
     return inodes
 
 
+@contextlib.contextmanager
+def two_workers(models: Path, tmp_path: Path, command: list[str] | None = None,
+                ) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """`serve --workers 2` on the CPU (`command`: the CLI to run, default `serve_command()`)
+    on a free port, ready: its process, port and log; terminated (killed if it hangs) on the way
+    out unless it has exited."""
+    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as output, subprocess.Popen(
+        [*(command or serve_command()), "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port",
+         str(port), "--models", str(models), "--workers", "2"],
+        env={**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1"},
+        stdout=output, stderr=subprocess.STDOUT,
+    ) as process:
+        try:
+            wait_ready(port, STARTUP_TIMEOUT_S)
+            yield process, port, log
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def listening_workers(process: subprocess.Popen[bytes], port: int, log: Path) -> tuple[dict[int, set[int]], set[int]]:
+    """Once both workers of `process` listen on `port`: each worker's listening sockets (inodes),
+    and all the sockets listening on the port."""
+    from tests.service.test_serve import STARTUP_TIMEOUT_S
+
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    own: dict[int, set[int]] = {}
+    while len(own) < 2 or not all(own.values()):
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+        listening = tcp_sockets(port, "0A")
+        own = {pid: socket_inodes(pid) & listening for pid in worker_pids(process.pid)}
+    return own, listening
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT balances on Linux")
 def test_each_worker_listens_on_its_own_socket_and_connections_spread(served_tiny_models: Path,
                                                                        tmp_path: Path) -> None:
     """Each worker accepts on a listening socket of its own (none is shared), so the kernel
     spreads 64 connections opened at once over the two: each holds at least 16 (below that
     by chance, for either: about 1 in 40,000)."""
-    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
-
-    port = free_port()
-    environment = {**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1"}
-    log = tmp_path / "serve.log"
-    with log.open("w") as output, subprocess.Popen(
-        [*serve_command(), "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--models", str(served_tiny_models), "--workers", "2"],
-        env=environment, stdout=output, stderr=subprocess.STDOUT,
-    ) as process:
-        connections: list[socket.socket] = []
+    connections: list[socket.socket] = []
+    with two_workers(served_tiny_models, tmp_path) as (process, port, log):
         try:
-            wait_ready(port, STARTUP_TIMEOUT_S)
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            own: dict[int, set[int]] = {}
-            while len(own) < 2 or not all(own.values()):  # two workers, each listening
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.2)
-                listening = tcp_sockets(port, "0A")
-                own = {pid: socket_inodes(pid) & listening for pid in worker_pids(process.pid)}
-            workers = set(own)
+            own, listening = listening_workers(process, port, log)
             assert all(len(inodes) == 1 for inodes in own.values()), own
             assert len(set.union(*own.values())) == 2 and not socket_inodes(process.pid) & listening
             connections = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(64)]
+            deadline = time.monotonic() + 30
             held: dict[int, int] = {}
             while sum(held.values()) < 64:  # each worker accepts its connections
                 assert time.monotonic() < deadline, held
                 time.sleep(0.1)
                 established = tcp_sockets(port, "01")
-                held = {pid: len(socket_inodes(pid) & established) for pid in workers}
+                held = {pid: len(socket_inodes(pid) & established) for pid in own}
             assert min(held.values()) >= 16, held
         finally:
             for connection in connections:
                 connection.close()
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
 
 
 def test_where_the_kernel_does_not_spread_uvicorns_supervisor_serves_one_socket(served_tiny_models: Path,
                                                                                 tmp_path: Path) -> None:
     """Without `SO_REUSEPORT` balancing (`SPREADS` off, as off Linux) the workers share uvicorn's
     one listening socket and serve."""
-    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, wait_ready
-
-    port = free_port()
     code = ("import sys, service.process.workers as w; w.SPREADS = False; "
             "from attnserve.cli import main; sys.exit(main())")
-    log = tmp_path / "serve.log"
-    with log.open("w") as output, subprocess.Popen(
-        [sys.executable, "-c", code, "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--models", str(served_tiny_models), "--workers", "2"],
-        env={**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1"},
-        stdout=output, stderr=subprocess.STDOUT,
-    ) as process:
-        try:
-            wait_ready(port, STARTUP_TIMEOUT_S)
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            own: dict[int, set[int]] = {}
-            while len(own) < 2 or not all(own.values()):
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.2)
-                listening = tcp_sockets(port, "0A")
-                own = {pid: socket_inodes(pid) & listening for pid in worker_pids(process.pid)}
-            assert len(set.union(*own.values())) == 1  # one socket, held by both
-            assert httpx.post(f"http://127.0.0.1:{port}/v1/translate", json=BODY, timeout=30).status_code == 200
-        finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    with two_workers(served_tiny_models, tmp_path, [sys.executable, "-c", code]) as (process, port, log):
+        own, _ = listening_workers(process, port, log)
+        assert len(set.union(*own.values())) == 1  # one socket, held by both
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/translate", json=BODY, timeout=30).status_code == 200
 
 
 def test_sigterm_stops_every_worker_and_the_supervisor_exits_0(served_tiny_models: Path, tmp_path: Path) -> None:
     """SIGTERM to the supervisor: each worker is asked to drain and stops, requests sent before
     it are answered, and the supervisor exits 0 with no worker left behind."""
-    from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
-
-    port = free_port()
-    log = tmp_path / "serve.log"
-    with log.open("w") as output, subprocess.Popen(
-        [*serve_command(), "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--models", str(served_tiny_models), "--workers", "2"],
-        env={**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1"},
-        stdout=output, stderr=subprocess.STDOUT,
-    ) as process:
-        try:
-            wait_ready(port, STARTUP_TIMEOUT_S)
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while len(workers := worker_pids(process.pid)) < 2:
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.2)
-            statuses = [httpx.post(f"http://127.0.0.1:{port}/v1/translate", json=BODY, timeout=30).status_code
-                        for _ in range(4)]
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(60) == 0, log.read_text()[-3000:]
-        finally:
-            if process.poll() is None:
-                process.kill()
+    with two_workers(served_tiny_models, tmp_path) as (process, port, log):
+        workers = set(listening_workers(process, port, log)[0])
+        statuses = [httpx.post(f"http://127.0.0.1:{port}/v1/translate", json=BODY, timeout=30).status_code
+                    for _ in range(4)]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, log.read_text()[-3000:]
     assert statuses == [200] * 4
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
 
