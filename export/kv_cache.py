@@ -7,9 +7,10 @@ scale per tensor (`k_quant_type`/`v_quant_type` "PER_TENSOR", `kv_cache_bit_widt
 scales as inputs `k_scale`/`v_scale`): it quantizes each new position as it writes it and
 dequantizes as it reads. `int8_cache_graph` rewrites a step graph that way, for its self-attention
 cache and for its cross keys/values (which the caller quantizes as it writes them, with the
-scales the graph's metadata lists, `graph_io.CROSS_SCALES`); each cross-attention's "new"
-key/value, the row's last source position read back from the int8 buffer, is dequantized for
-it first.
+scales the graph's metadata lists, `graph_io.CROSS_SCALES`). Each cross-attention's "new"
+key/value is the row's last source position, written back where it is: the graph takes it, and
+that position, as inputs (`last_source_inputs`) which the caller keeps beside its slots, rather
+than reading them back from the int8 buffer and dequantizing them at every step.
 
 A tensor's scale is its largest magnitude over calibration sentences (`calibrate`: the encoder's
 cross keys/values and the merged decoder's cache while it decodes them greedily) divided by 127.
@@ -134,7 +135,62 @@ def int8_cache_graph(graph: onnx.ModelProto, scales: CacheScales) -> onnx.ModelP
     cross_scales = [scale for pair in scales.cross_attention for scale in pair]
     helper.set_model_props(graph, {**{p.key: p.value for p in graph.metadata_props},
                                    graph_io.CROSS_SCALES: json.dumps(cross_scales)})
+    last_source_inputs(graph)
     return graph
+
+
+def last_source_inputs(graph: onnx.ModelProto) -> int:
+    """Make the int8-cache step graph `graph` take each row's last source position and its cross
+    keys/values there as inputs (`graph_io.SOURCE_LAST`, `graph_io.cross_last_names`), in place;
+    returns 1 if it changed, 0 for a graph without an int8 cache or with these inputs already.
+
+    Each cross-attention reads the row's source as its past and its last source position as its
+    "new" key/value (`export.step_graph`); the graph worked that position out from `source_mask`
+    and gathered and dequantized the key/value there from the int8 buffers at every step: about
+    forty small kernels of a step's 128, the same for every step of a row. As inputs they cost
+    the step nothing (the caller works them out when rows join or move:
+    `service.runtime.step_buffers.last_source_columns`, the same arithmetic); the nodes that only
+    computed them go, and `source_mask` with them."""
+    body = graph.graph
+    inputs = {value.name: value for value in body.input}
+    if not has_int8_cache(graph) or graph_io.SOURCE_LAST in inputs:
+        return 0
+    cross_nodes = [n for n in body.node if n.op_type == "GroupQueryAttention" and n.input[3].startswith("cross_key.")]
+    if not cross_nodes:
+        return 0
+    dims = inputs["cross_key.0"].type.tensor_type.shape.dim  # (batch, heads, source_len, head_dim)
+    width = dims[1].dim_value * dims[3].dim_value
+    for node in cross_nodes:
+        layer = _layer(node.input[3])
+        node.input[1], node.input[2] = f"cross_last_key.{layer}", f"cross_last_value.{layer}"
+        node.input[5] = graph_io.SOURCE_LAST  # seqlens_k: the past's length, the new position's index
+    added = [helper.make_tensor_value_info(graph_io.SOURCE_LAST, TensorProto.INT32, [graph_io.BATCH])]
+    added += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [graph_io.BATCH, 1, width])
+              for name in graph_io.cross_last_names(len(cross_nodes))]
+    at = [value.name for value in body.input].index("positions") + 1
+    for offset, value in enumerate(added):
+        body.input.insert(at + offset, value)
+    _prune(graph)
+    return 1
+
+
+def _prune(graph: onnx.ModelProto) -> None:
+    """Remove the nodes none of the graph's outputs needs, then the inputs, initializers and
+    value_info entries nothing reads any more (in place)."""
+    body = graph.graph
+    needed = {value.name for value in body.output}
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(body.node):
+        if needed.intersection(node.output):
+            kept.append(node)
+            needed.update(name for name in node.input if name)
+    kept.reverse()
+    del body.node[:]
+    body.node.extend(kept)
+    for field in (body.input, body.initializer, body.value_info):
+        unused = [value for value in field if value.name not in needed]
+        for value in unused:
+            field.remove(value)
 
 
 def has_int8_cache(graph: onnx.ModelProto) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 import onnx
 import torch
 
+from export.kv_cache import last_source_inputs
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
 from export.parity import check_parity, parity_sources, step_agreement
 from export.quality import MAX_DROP, measure_quality, within_bound
@@ -46,6 +47,7 @@ from service.repository.manifest import (
     write_manifest,
 )
 from service.runtime import CPU, CUDA, ModelRuntime
+from service.runtime.step_buffers import last_source_feed
 
 log = logging.getLogger(__name__)
 
@@ -357,10 +359,10 @@ def restored_on_failure(directory: Path, names: Iterable[str]) -> Iterator[None]
 
 def update_step_graphs(directory: str | Path) -> list[str]:
     """Give the step graphs of the repository `directory` (`step_graph_files`) this exporter's
-    graph passes (`share_input_shapes`, `select_before_projection`), in place: only the graphs'
-    nodes change, their weights stay where they are. Each changed graph must give the old one's
-    outputs exactly on random inputs (`_same_outputs`); the manifest then lists the new
-    sha256s. Returns the files changed (none when they have the passes already); on any failure
+    graph passes (`share_input_shapes`, `select_before_projection`, and for an int8 cache
+    `kv_cache.last_source_inputs`), in place: only the graphs' nodes (and inputs) change, their
+    weights stay where they are. Each changed graph must give the old one's outputs exactly on
+    random inputs (`_same_outputs`); the manifest then lists the new sha256s. Returns the files changed (none when they have the passes already); on any failure
     the repository is left as it was."""
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -371,7 +373,7 @@ def update_step_graphs(directory: str | Path) -> list[str]:
         for name in files:
             path = directory / name
             graph = onnx.load_model(str(path), load_external_data=False)
-            if not share_input_shapes(graph) + select_before_projection(graph):
+            if not share_input_shapes(graph) + select_before_projection(graph) + last_source_inputs(graph):
                 continue
             originals[name] = path.read_bytes()
             onnx.save_model(graph, str(path))
@@ -386,7 +388,9 @@ def update_step_graphs(directory: str | Path) -> list[str]:
 
 def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -> None:
     """The step graph at `path` gives exactly the outputs of the graph `original` (serialized,
-    its weights beside `path`) on `random_step_inputs`."""
+    its weights beside `path`) on `random_step_inputs` (the new graph's last source positions, if
+    it takes them, worked out from the same source mask and cross keys/values:
+    `step_buffers.last_source_feed`)."""
     import numpy as np
     import onnxruntime as ort
 
@@ -399,8 +403,12 @@ def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -
     finally:
         scratch.unlink()
     feed = random_step_inputs(sessions[1], vocab_size, seed)
+    layers = sum(name.startswith("cross_") for name in feed) // 2
+    cross = [feed[name] for name in graph_io.cross_names(layers)]
+    new_feed = {**feed, **last_source_feed(sessions[0], cross, feed["source_mask"])}
+    new_feed = {value.name: new_feed[value.name] for value in sessions[0].get_inputs()}
     try:
-        new, old = (session.run(None, feed) for session in sessions)
+        new, old = (session.run(None, f) for session, f in zip(sessions, (new_feed, feed), strict=True))
     except Exception as error:  # onnxruntime's own types
         raise RuntimeError(f"{path}: the graph fails on random inputs: {error}") from error
     for output, a, b in zip(sessions[1].get_outputs(), new, old, strict=True):

@@ -322,7 +322,7 @@ def _axis(node: onnx.NodeProto) -> int:
 
 def random_step_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str, Any]:
     """Random inputs for a step graph's onnxruntime `session`: 3 rows, 8 cache columns, sources
-    of at most 5 (a prefix of each row's mask), positions within the cache, ids below
+    of at most 5 (a prefix of each row's mask; last source positions below 5), positions within the cache, ids below
     `vocab_size`; any other int8 input (a shortlist's columns) small integers, float inputs
     positive (float16 where the graph takes it)."""
     import numpy as np
@@ -334,6 +334,8 @@ def random_step_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str
         shape = [d if isinstance(d, int) else sizes.get(d, 4) for d in value.shape]
         if value.name == "source_mask":
             feed[value.name] = np.arange(shape[1])[None, :] < rng.integers(1, shape[1] + 1, (shape[0], 1))
+        elif value.name == graph_io.SOURCE_LAST:  # an int8-cache graph's last source positions
+            feed[value.name] = rng.integers(0, sizes["source_len"], shape).astype(np.int32)
         elif value.name == "positions":
             feed[value.name] = rng.integers(0, sizes["capacity"], shape)
         elif value.type == "tensor(int64)":

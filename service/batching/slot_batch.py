@@ -76,7 +76,6 @@ from service.generation.hooks import RowHooks
 from service.generation.search import BeamRow, GenerationResult, beam_candidates, log_softmax
 from service.runtime.device_slots import (
     DeviceSlots,
-    cross_scales,
     slot_graphs,
     step_dtypes,
     step_element_types,
@@ -84,7 +83,7 @@ from service.runtime.device_slots import (
 from service.runtime.lone_slots import LoneSlots
 from service.runtime.protocol import Runtime
 from service.runtime.shortlist import Shortlist, ShortlistCounts
-from service.runtime.step_buffers import HostSlots
+from service.runtime.step_buffers import HostSlots, cross_scales
 from service.runtime.tensors import Tensor
 
 PADDING_SLACK = 1.25  # host slots: newcomers encoded together while rows x longest <= this x their tokens

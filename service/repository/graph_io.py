@@ -26,7 +26,11 @@ decoder_step.onnx (continuous batching, `export.step_graph`: each row over its o
   An int8-cache step graph (`export.kv_cache`) takes the cache and the cross keys/values as
   int8 (a value = its int8 times a fixed scale per tensor and layer): the cache's scales are
   its own, the cross keys/values' are in its metadata (`CROSS_SCALES`), for the caller that
-  writes them there.
+  writes them there. Instead of `source_mask` it takes each row's last source position,
+  source_last (batch,) int32 (its source length - 1), and the cross keys/values there,
+  cross_last_key.{i}, cross_last_value.{i} (batch, 1, heads * head_dim) float: the int8
+  column times its scale, heads in order (`cross_last_names`; the caller keeps them beside
+  its slots, so a step does not gather and dequantize them again).
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ def decoder_inputs(n_decoder_layers: int) -> list[str]:
 
 def step_inputs(n_decoder_layers: int) -> list[str]:
     return ["input_ids", "positions", "source_mask"] + past_names(n_decoder_layers) + cross_names(n_decoder_layers)
+
+
+SOURCE_LAST = "source_last"
+
+
+def cross_last_names(n_decoder_layers: int) -> list[str]:
+    """cross_last_key.0, cross_last_value.0, ...: an int8-cache step graph's cross keys/values
+    at each row's last source position (the module's docstring)."""
+    return [f"cross_last_{kind}.{i}" for i in range(n_decoder_layers) for kind in ("key", "value")]
 
 
 def cross_present_names(n_decoder_layers: int) -> list[str]:

@@ -40,7 +40,6 @@ The cache's element type is the step graph's `past_key.0` type and the cross key
 from __future__ import annotations
 
 import functools
-import json
 import threading
 from collections.abc import Callable, Sequence
 
@@ -69,18 +68,6 @@ def step_dtypes(step: ort.InferenceSession) -> tuple[type, type]:
     """The numpy types of the step graph's cache and cross keys/values (`step_element_types`)."""
     cache_type, cross_type = step_element_types(step)
     return onnx_proto.NUMPY_TYPES[cache_type].type, onnx_proto.NUMPY_TYPES[cross_type].type
-
-
-def cross_scales(step: ort.InferenceSession) -> list[float] | None:
-    """The scales of an int8 step graph's cross keys/values (`graph_io.CROSS_SCALES` in its
-    metadata: one per input cross_key.0, cross_value.0, ..., a value being its int8 times the
-    scale); None for a float graph."""
-    if step_element_types(step)[1] != onnx_proto.INT8:
-        return None
-    found = step.get_modelmeta().custom_metadata_map.get(graph_io.CROSS_SCALES)
-    if found is None:
-        raise ValueError(f"an int8 step graph needs its cross keys/values' scales ({graph_io.CROSS_SCALES})")
-    return [float(scale) for scale in json.loads(found)]
 
 
 class SlotGraphs:

@@ -42,7 +42,6 @@ from service.repository.manifest import (
 )
 from service.runtime.device_slots import (
     DeviceSlots,
-    cross_scales,
     slot_graphs,
     step_dtypes,
     step_element_types,
@@ -63,7 +62,7 @@ from service.runtime.providers import (
 )
 from service.runtime.row_gather import RowGather
 from service.runtime.shortlist import Shortlist
-from service.runtime.step_buffers import HostSlots, cross_in_place
+from service.runtime.step_buffers import HostSlots, cross_in_place, cross_scales
 from service.runtime.tensors import DecoderStep, EncoderState, Gatherer, KVCache, Tensor, to_numpy
 
 logger = logging.getLogger(__name__)

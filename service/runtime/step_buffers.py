@@ -5,11 +5,15 @@ row over that row's own cache, written in place.
 buffers wrapped as OrtValues; `run_step` binds each layer's past and present to the same buffer
 (IO binding), so onnxruntime writes each row's new position into it instead of returning a grown
 copy. `HostSlots` adds the cross keys/values beside them: the slot buffers of a `SlotBatch`
-in host memory (`device_slots.DeviceSlots` keeps them on a device). Torch-free.
+in host memory (`device_slots.DeviceSlots` keeps them on a device). An int8-cache step graph
+takes each row's last source position and the cross keys/values there instead of the source
+mask (`graph_io.SOURCE_LAST`, `takes_last_source`): `HostSlots` keeps them beside its slots,
+worked out again only after rows join, move or leave (`last_source_columns`). Torch-free.
 """
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -92,6 +96,65 @@ def cross_in_place(session: ort.InferenceSession) -> bool:
     return known
 
 
+def cross_scales(step: ort.InferenceSession) -> list[float] | None:
+    """The scales of an int8 step graph's cross keys/values (`graph_io.CROSS_SCALES` in its
+    metadata: one per input cross_key.0, cross_value.0, ..., a value being its int8 times the
+    scale); None for a float graph."""
+    types = {value.name: value.type for value in step.get_inputs()}
+    if types.get(graph_io.cross_names(1)[0]) != "tensor(int8)":
+        return None
+    found = step.get_modelmeta().custom_metadata_map.get(graph_io.CROSS_SCALES)
+    if found is None:
+        raise ValueError(f"an int8 step graph needs its cross keys/values' scales ({graph_io.CROSS_SCALES})")
+    return [float(scale) for scale in json.loads(found)]
+
+
+# per step graph session: whether it takes each row's last source position (not the source mask)
+_LAST_SOURCE: weakref.WeakKeyDictionary[ort.InferenceSession, bool] = weakref.WeakKeyDictionary()
+
+
+def takes_last_source(session: ort.InferenceSession) -> bool:
+    """Whether the step graph `session` takes each row's last source position and the cross
+    keys/values there (`graph_io.SOURCE_LAST`, `graph_io.cross_last_names`: an int8-cache graph,
+    `export.kv_cache`) instead of `source_mask`."""
+    known = _LAST_SOURCE.get(session)
+    if known is None:
+        known = _LAST_SOURCE[session] = graph_io.SOURCE_LAST in {value.name for value in session.get_inputs()}
+    return known
+
+
+def last_source_columns(cross: Sequence[np.ndarray], source_mask: np.ndarray, scales: Sequence[float] | None,
+                        source_last: np.ndarray, last: Sequence[np.ndarray]) -> None:
+    """Write each row's last source position (its source length - 1, 0 for an empty source: as
+    the graph clamps it) into `source_last` (rows,) int32, and, per cross array (rows, h, S, d),
+    the key/value there into `last` (rows, 1, h * d) float32, heads in order: an int8 array's
+    int8 times its scale from `scales` in float32, as the graph itself would dequantize it."""
+    rows = len(source_mask)
+    index = np.maximum(source_mask.sum(axis=1), 1) - 1
+    source_last[:rows] = index
+    every = np.arange(rows)
+    for i, (array, target) in enumerate(zip(cross, last, strict=True)):
+        column = array[every, :, index, :]  # (rows, h, d)
+        values = column.astype(np.float32)
+        if scales is not None:
+            values *= np.float32(scales[i])
+        target[:rows, 0] = values.reshape(rows, -1)
+
+
+def last_source_feed(session: ort.InferenceSession, cross: Sequence[np.ndarray],
+                     source_mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The inputs `source_last` and `cross_last_*` of the step graph `session` for rows of these
+    cross keys/values and source mask (`last_source_columns`); empty for a graph that takes the
+    source mask."""
+    if not takes_last_source(session):
+        return {}
+    rows, layers = len(source_mask), len(cross) // 2
+    source_last = np.empty(rows, dtype=np.int32)
+    last = [np.empty((rows, 1, a.shape[1] * a.shape[3]), dtype=np.float32) for a in cross]
+    last_source_columns(cross, source_mask, cross_scales(session), source_last, last)
+    return {graph_io.SOURCE_LAST: source_last, **dict(zip(graph_io.cross_last_names(layers), last, strict=True))}
+
+
 # the devices that read a step session's bound cache and cross keys/values (`binding_kept`)
 _READERS: weakref.WeakKeyDictionary[ort.InferenceSession, frozenset[str]] = weakref.WeakKeyDictionary()
 
@@ -131,10 +194,14 @@ class StepBinding:
 
     Kept for several steps (`reuse_logits`), the binding is made once while the rows stay the
     same, and the logits are written into one array bound after the first step: each step then
-    returns that same array, overwritten by the next."""
+    returns that same array, overwritten by the next.
+
+    A graph that takes each row's last source position (`takes_last_source`) has it and the
+    cross keys/values there bound from `last` (`last_source_feed`'s arrays, over `count` rows,
+    kept up to date by the caller) and is given no source mask."""
 
     def __init__(self, session: ort.InferenceSession, buffers: CacheBuffers, cross: Sequence[np.ndarray],
-                 count: int, reuse_logits: bool = False) -> None:
+                 count: int, reuse_logits: bool = False, last: Mapping[str, np.ndarray] | None = None) -> None:
         self.session = session
         self.count = count
         self.reuse_logits = reuse_logits
@@ -146,6 +213,13 @@ class StepBinding:
         layers = len(buffers.arrays) // 2
         in_place = cross_in_place(session)
         self._values: list[ort.OrtValue] = []  # what the binding reads and writes, kept alive
+        self._source_mask = not takes_last_source(session)
+        if not self._source_mask:
+            if last is None:
+                raise ValueError("this step graph takes each row's last source position (source_last)")
+            for name, array in last.items():
+                self._values.append(ort.OrtValue.ortvalue_from_numpy(array))  # shares the memory
+                self.binding.bind_ortvalue_input(name, self._values[-1])
         for name, array in zip(graph_io.cross_names(layers), cross, strict=True):
             value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))  # shares the memory
             self.binding.bind_ortvalue_input(name, value)
@@ -169,7 +243,8 @@ class StepBinding:
             self._columns = columns
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("positions", np.ascontiguousarray(positions, dtype=np.int64))
-        binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
+        if self._source_mask:
+            binding.bind_cpu_input("source_mask", np.ascontiguousarray(source_mask, dtype=bool))
         self.session.run_with_iobinding(binding)
         if self._logits is not None:
             return self._logits
@@ -191,8 +266,11 @@ def run_step(session: ort.InferenceSession, input_ids: np.ndarray, positions: np
     projection inputs (`service.runtime.shortlist.Shortlist.columns` of V' ids): the (B, V')
     logits of those ids. A graph whose
     cross-attention reads each row's own source has the cross keys/values as outputs too
-    (`present_cross_*`): they are bound to the same memory as the inputs (`StepBinding`)."""
-    return StepBinding(session, buffers, cross, len(input_ids)).run(input_ids, positions, source_mask, columns)
+    (`present_cross_*`): they are bound to the same memory as the inputs (`StepBinding`). A graph
+    that takes each row's last source position gets it worked out here (`last_source_feed`)."""
+    last = last_source_feed(session, cross, source_mask)
+    return StepBinding(session, buffers, cross, len(input_ids), last=last or None).run(
+        input_ids, positions, source_mask, columns)
 
 
 class HostSlots:
@@ -216,6 +294,12 @@ class HostSlots:
         if np.issubdtype(cross_dtype, np.integer) and (self.cross_scales is None or len(self.cross_scales) != 2 * layers):
             raise ValueError(f"int8 cross keys/values need {2 * layers} scales, got {cross_scales}")
         self._binding: StepBinding | None = None  # the step graph bound to these buffers (`step`)
+        self._clear_last_source()
+
+    def _clear_last_source(self) -> None:
+        """No last source positions kept yet (`_last_source`)."""
+        self._last: dict[str, np.ndarray] | None = None  # source_last, cross_last_*: over every slot
+        self._last_rows = 0  # the first slots they hold, 0 once rows joined or moved
 
     @property
     def rows(self) -> int:
@@ -244,6 +328,7 @@ class HostSlots:
                 values = np.clip(np.rint(values / self.cross_scales[index]), -127, 127)
             target[row:row + count, :, :w] = values
             target[row:row + count, :, w:] = 0
+        self._last_rows = 0
 
     def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int, cross: bool = True) -> None:
         """Copy slots `sources` onto slots `targets` (each target once; a target may be among
@@ -253,6 +338,7 @@ class HostSlots:
         self.buffers.move_rows(sources, targets, columns)
         if cross:
             copy_rows(self.cross, sources, targets)
+        self._last_rows = 0
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> HostSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
@@ -261,6 +347,7 @@ class HostSlots:
         change is kept as it is (not copied)."""
         new = HostSlots.__new__(HostSlots)
         new._binding = None
+        new._clear_last_source()
         new.cross_scales = self.cross_scales
         new.buffers = self.buffers
         if (rows, capacity) != (self.rows, self.capacity):
@@ -282,10 +369,30 @@ class HostSlots:
         or with `columns` (the shortlist step graph's projection inputs) the (B, V') logits.
         The graph stays bound to the slots while B and `session` stay the same and every reader
         of the slots runs on the CPU (`StepBinding`, `binding_kept`);
-        without `columns` the logits are one array that the next such step overwrites."""
+        without `columns` the logits are one array that the next such step overwrites. A graph
+        that takes each row's last source position reads it from arrays beside the slots
+        (`_last_source`)."""
         count = len(input_ids)
+        last = self._last_source(count, source_mask) if takes_last_source(session) else None
         bound = self._binding
         if bound is None or bound.session is not session or bound.count != count or not bound.kept:
+            views = None if last is None else {name: array[:count] for name, array in last.items()}
             bound = self._binding = StepBinding(session, self.buffers, [c[:count] for c in self.cross], count,
-                                                reuse_logits=True)
+                                                reuse_logits=True, last=views)
         return bound.run(input_ids, positions, source_mask, columns)
+
+    def _last_source(self, count: int, source_mask: np.ndarray) -> dict[str, np.ndarray]:
+        """The arrays of every slot's last source position and cross keys/values there
+        (`last_source_columns`), worked out for the first `count` slots from `source_mask` unless
+        they hold them already (no row joined or moved since). Allocated once per buffers, so a
+        binding to them stays valid as they are rewritten."""
+        if self._last is None:
+            self._last = {graph_io.SOURCE_LAST: np.zeros(self.rows, dtype=np.int32)}
+            names = graph_io.cross_last_names(len(self.cross) // 2)
+            for name, array in zip(names, self.cross, strict=True):
+                self._last[name] = np.zeros((self.rows, 1, array.shape[1] * array.shape[3]), dtype=np.float32)
+        if count > self._last_rows:
+            arrays = list(self._last.values())
+            last_source_columns([c[:count] for c in self.cross], source_mask, self.cross_scales, arrays[0], arrays[1:])
+            self._last_rows = count
+        return self._last
