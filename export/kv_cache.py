@@ -146,8 +146,8 @@ def last_source_inputs(graph: onnx.ModelProto) -> int:
 
     Each cross-attention reads the row's source as its past and its last source position as its
     "new" key/value (`export.step_graph`); the graph worked that position out from `source_mask`
-    and gathered and dequantized the key/value there from the int8 buffers at every step: about
-    forty small kernels of a step's 128, the same for every step of a row. As inputs they cost
+    and gathered and dequantized the key/value there from the int8 buffers at every step: 48 of
+    the 128 kernels onnxruntime runs a step, for values that stay the same over a row's steps. As inputs they cost
     the step nothing (the caller works them out when rows join or move:
     `service.runtime.step_buffers.last_source_columns`, the same arithmetic); the nodes that only
     computed them go, and `source_mask` with them."""

@@ -362,8 +362,9 @@ def update_step_graphs(directory: str | Path) -> list[str]:
     graph passes (`share_input_shapes`, `select_before_projection`, and for an int8 cache
     `kv_cache.last_source_inputs`), in place: only the graphs' nodes (and inputs) change, their
     weights stay where they are. Each changed graph must give the old one's outputs exactly on
-    random inputs (`_same_outputs`); the manifest then lists the new sha256s. Returns the files changed (none when they have the passes already); on any failure
-    the repository is left as it was."""
+    random inputs (`_same_outputs`); the manifest then lists the new sha256s. Returns the files
+    changed (none when they have the passes already); on any failure the repository is left as
+    it was."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     verify_files(directory, manifest)

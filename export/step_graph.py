@@ -322,9 +322,9 @@ def _axis(node: onnx.NodeProto) -> int:
 
 def random_step_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str, Any]:
     """Random inputs for a step graph's onnxruntime `session`: 3 rows, 8 cache columns, sources
-    of at most 5 (a prefix of each row's mask; last source positions below 5), positions within the cache, ids below
-    `vocab_size`; any other int8 input (a shortlist's columns) small integers, float inputs
-    positive (float16 where the graph takes it)."""
+    of at most 5 (a prefix of each row's mask; last source positions below 5), positions within
+    the cache, ids below `vocab_size`; any other int8 input (a shortlist's columns) small
+    integers, float inputs positive (float16 where the graph takes it)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

@@ -8,7 +8,7 @@ copy. `HostSlots` adds the cross keys/values beside them: the slot buffers of a 
 in host memory (`device_slots.DeviceSlots` keeps them on a device). An int8-cache step graph
 takes each row's last source position and the cross keys/values there instead of the source
 mask (`graph_io.SOURCE_LAST`, `takes_last_source`): `HostSlots` keeps them beside its slots,
-worked out again only after rows join, move or leave (`last_source_columns`). Torch-free.
+worked out again only after rows join or move (`last_source_columns`). Torch-free.
 """
 
 from __future__ import annotations
