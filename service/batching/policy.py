@@ -6,7 +6,13 @@ times the beams.
 
 Joins into the running batch (`joiners`: greedy rows, and beam-search rows when the batch
 takes them, `RunningState.takes_beams`, each counted as one row per beam): up to
-`max_batch_size` rows and `max_batch_tokens` padded source tokens in the batch. A join costs an encoder call and (unless
+`max_batch_size` rows and `max_batch_tokens` padded source tokens in the batch. A beam-search
+row gives way while the batch is busy: with more than `beam_rows` rows (a quarter of
+`max_batch_size`, its beams counted) it waits, and the greedy rows behind it join, until the
+batch is that small again or it has waited `max_beam_wait_s` (`join_due` wakes the scheduler
+then). Its k beams make every step of the batch longer for its whole length, and the greedy
+rows' latency tail is made when the batch is busy: the beam request waits instead, at most
+that long (bench/README.md, "Beam rows giving way"). A join costs an encoder call and (unless
 the newcomers fit in the slots of rows that left) a copy of the batch's state, so rows join in
 groups of a quarter of the running batch (at most `join_rows`, a quarter of `max_batch_size`;
 at once into a batch of fewer than 4 rows), or when the oldest has waited `max_join_wait_s`,
@@ -36,10 +42,17 @@ class BatchLimits:
     max_join_age: int = 0  # continuous batching: the join age limit of a batch of `join_rows` rows (0: any)
     max_queue_size: int = 256
     retry_after_s: int = 1
+    max_beam_wait_s: float = 1.0  # continuous batching: longest a beam-search row gives way to greedy rows (0: never)
 
     @property
     def join_rows(self) -> int:
         """The largest group rows join the running batch in (a quarter of `max_batch_size`)."""
+        return max(1, self.max_batch_size // 4)
+
+    @property
+    def beam_rows(self) -> int:
+        """The running batch's rows, counting a beam-search row's beams, up to which a beam-search
+        row joins it before it has waited `max_beam_wait_s` (a quarter of `max_batch_size`)."""
         return max(1, self.max_batch_size // 4)
 
 
@@ -127,6 +140,8 @@ def joiners(queue: Iterable[Row], running: RunningState, limits: BatchLimits, no
             continue
         width = max(longest, len(row.source))
         beams = row.key.beam_size
+        if beams > 1 and rows and rows + beams > limits.beam_rows and now - row.enqueued_at < limits.max_beam_wait_s:
+            continue  # gives way to the greedy rows behind it while the batch is busy (never with a wait of 0)
         # a row of more beams than the batch's size joins an empty batch alone
         too_many = taken + beams > room and (taken or running.rows)
         if too_many or (rows and (rows + beams) * width > limits.max_batch_tokens):
@@ -153,8 +168,12 @@ def join_due(queue: Iterable[Row], running: RunningState, limits: BatchLimits,
     arrival wakes the scheduler then)."""
     if running.rows >= limits.max_batch_size:
         return None
-    oldest = next((row for row in queue if joins(row.key, running) and not row.done), None)
-    if oldest is None:
+    waiting = [row for row in queue if joins(row.key, running) and not row.done]
+    if not waiting:
         return None
-    due = oldest.enqueued_at + limits.max_join_wait_s - now
-    return due if due > 0 else None
+    dues = [waiting[0].enqueued_at + limits.max_join_wait_s - now]
+    beam = next((row for row in waiting if row.key.beam_size > 1), None)
+    if beam is not None and limits.max_beam_wait_s:  # a beam-search row giving way joins at the latest then
+        dues.append(beam.enqueued_at + limits.max_beam_wait_s - now)
+    ahead = [due for due in dues if due > 0]
+    return min(ahead) if ahead else None

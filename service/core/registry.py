@@ -270,6 +270,7 @@ class ModelRegistry:
             max_batch_tokens=settings.max_batch_tokens_on(runtime.provider),
             max_wait_s=settings.max_wait_ms / 1000,
             max_join_wait_s=settings.max_join_wait_ms / 1000,
+            max_beam_wait_s=settings.max_beam_wait_ms / 1000,
             max_join_age=settings.max_join_age,
             # the model's queue shared among its batchers (a request of max_texts still fits)
             max_queue_size=max(-(-settings.max_queue_size // workers), settings.max_texts),

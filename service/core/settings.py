@@ -107,6 +107,12 @@ class Settings(BaseSettings):
         default=100.0, ge=0,
         description="continuous: longest wait to join the running batch in a group",
     )
+    max_beam_wait_ms: float = Field(
+        default=1000.0, ge=0, description="continuous: while the running batch holds more than "
+        "a quarter of max_batch_size rows (a beam-search row's beams counted), a beam-search "
+        "request gives way to the greedy requests queued behind it for at most this long, then "
+        "joins (0: it never gives way)",
+    )
     max_join_age: int = Field(
         default=24, ge=0, description="continuous: rows join a running batch of a quarter of "
         "max_batch_size rows only while its oldest row has run at most this many decoder steps "

@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 _SETTING_FLAGS = (
     "host", "port", "models_dir", "providers", "threads", "variant", "batch_workers", "max_batch_size",
     "max_batch_tokens", "max_wait_ms", "max_queue_size", "continuous_batching", "length_routing",
-    "max_join_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "step_graph", "lone_step", "gpu_memory_limit_mb",
+    "max_join_wait_ms", "max_beam_wait_ms", "max_join_age", "shortlist_rows", "shortlist_share", "greedy_scores", "spinning", "cpu_memory_arena", "step_graph", "lone_step", "gpu_memory_limit_mb",
     "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
@@ -82,6 +82,10 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-join-wait-ms", type=float,
                    help="continuous batching: longest wait to join the running batch in a "
                    "group of a quarter of --max-batch-size (default 100)")
+    p.add_argument("--max-beam-wait-ms", type=float,
+                   help="continuous batching: longest a beam-search request gives way to greedy "
+                   "requests while the running batch holds more than a quarter of "
+                   "--max-batch-size rows (default 1000; 0: never)")
     p.add_argument("--max-join-age", type=int,
                    help="continuous batching: rows join only while the running batch's oldest row "
                    "has run at most this many decoder steps (default 24; 0: any)")

@@ -59,9 +59,30 @@ def test_beam_rows_join_a_batch_that_takes_beams_one_row_per_beam() -> None:
     beams = RunningState(rows=1, longest=5, takes_beams=True)
     assert joiners(queue, beams, BatchLimits(), now=0.0) == queue
     # room for 4 more rows: the greedy row (1) fits, the beam row (4) does not, nor what follows
-    assert joiners(queue, beams, BatchLimits(max_batch_size=5), now=0.0) == [queue[0]]
+    waited = BatchLimits(max_batch_size=5).max_beam_wait_s  # (the beam row no longer gives way)
+    assert joiners(queue, beams, BatchLimits(max_batch_size=5), now=waited) == [queue[0]]
     # the token budget counts a beam row's rows: (1 + 1 + 4) x 5 = 30 > 24
     assert joiners(queue, beams, BatchLimits(max_batch_tokens=24), now=0.0) == [queue[0]]
+
+
+def test_a_beam_row_gives_way_to_greedy_rows_while_the_batch_is_busy() -> None:
+    """Past a quarter of the batch (`beam_rows`, its beams counted) a beam-search row waits and
+    the greedy rows behind it join; it joins once the batch is that small again, or once it has
+    waited `max_beam_wait_s`, which `join_due` wakes the scheduler for."""
+    limits = BatchLimits(max_batch_size=32, max_beam_wait_s=0.5)  # beam_rows 8
+    queue = [*rows(4, key=BEAM, at=1.0), *rows(3, 5, at=1.0)]
+    busy = RunningState(rows=6, longest=5, takes_beams=True)  # 6 + 4 beams > 8
+    assert limits.beam_rows == 8
+    assert joiners(queue, busy, limits, now=1.2) == queue[1:]
+    assert join_due(queue, busy, limits, now=1.2) == pytest.approx(0.3)  # the beam row's wait ends first
+    assert joiners(queue, busy, limits, now=1.5) == queue  # waited long enough: joins, beams counted
+    quiet = RunningState(rows=4, longest=5, takes_beams=True)  # 4 + 4 beams fit
+    assert joiners(queue, quiet, limits, now=1.0) == queue
+    # greedy rows chosen ahead of it count: 3 + 1 + 1 + 4 > 8
+    late = [*rows(3, 5, at=1.0), *rows(4, key=BEAM, at=1.0)]
+    assert joiners(late, RunningState(rows=3, longest=5, takes_beams=True), limits, now=1.0) == late[:2]
+    never = BatchLimits(max_batch_size=32, max_beam_wait_s=0.0)  # --max-beam-wait-ms 0: it never gives way
+    assert joiners(queue, busy, never, now=1.0) == queue and join_due(queue, busy, never, now=1.05) == pytest.approx(0.05)
 
 
 def test_a_beam_row_wider_than_the_batch_joins_it_alone_when_empty() -> None:
