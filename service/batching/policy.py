@@ -6,17 +6,21 @@ times the beams.
 
 Joins into the running batch (`joiners`: greedy rows, and beam-search rows when the batch
 takes them, `RunningState.takes_beams`, each counted as one row per beam): up to
-`max_batch_size` rows and `max_batch_tokens` padded source tokens in the batch. A beam-search
-row gives way while the batch is busy: with more than `beam_rows` rows (a quarter of
-`max_batch_size`, its beams counted) it waits, and the greedy rows behind it join, until the
-batch is that small again or it has waited `max_beam_wait_s` (`join_due` wakes the scheduler
-then). Its k beams make every step of the batch longer for its whole length, and the greedy
-rows' latency tail is made when the batch is busy: the beam request waits instead, at most
-that long (bench/README.md, "Beam rows giving way"). A join costs an encoder call and (unless
+`max_batch_size` rows and `max_batch_tokens` padded source tokens in the batch. A join costs
+an encoder call and (unless
 the newcomers fit in the slots of rows that left) a copy of the batch's state, so rows join in
 groups of a quarter of the running batch (at most `join_rows`, a quarter of `max_batch_size`;
 at once into a batch of fewer than 4 rows), or when the oldest has waited `max_join_wait_s`,
 unless more rows wait than fit: then they wait for room for a whole group.
+
+With `max_beam_wait_s` (0 by default: off) a beam-search row gives way while the batch is busy:
+with more than `beam_rows` rows (a quarter of `max_batch_size`, its beams counted) it waits, and
+the greedy rows behind it join, until the batch is that small again, it has waited
+`max_beam_wait_s` or half its time to its deadline (`gives_way_until`; `join_due` wakes the
+scheduler then). Its k beams make every step of the batch longer for its whole length, and the
+greedy rows' latency tail is made when the batch is busy: the beam request waits instead. Two
+runs of `bench.beam_mix` disagreed on what that buys the greedy rows, and the beam requests'
+p95 more than doubled in both, so it is off by default (bench/README.md, "Beam rows giving way").
 
 With `max_join_age`, rows wait while the batch's oldest row has run more than
 `join_age_limit` steps: every row's cache is as long as the oldest row's output, so a join into
@@ -42,7 +46,7 @@ class BatchLimits:
     max_join_age: int = 0  # continuous batching: the join age limit of a batch of `join_rows` rows (0: any)
     max_queue_size: int = 256
     retry_after_s: int = 1
-    max_beam_wait_s: float = 1.0  # continuous batching: longest a beam-search row gives way to greedy rows (0: never)
+    max_beam_wait_s: float = 0.0  # continuous batching: longest a beam-search row gives way to greedy rows (0: never)
 
     @property
     def join_rows(self) -> int:
@@ -75,6 +79,8 @@ class Candidate(Protocol):
     @property
     def enqueued_at(self) -> float: ...
     @property
+    def deadline(self) -> float | None: ...
+    @property
     def done(self) -> bool: ...
 
 
@@ -96,6 +102,15 @@ def joins(key: RowKey, running: RunningState) -> bool:
     """Whether rows of `key` join the running batch: greedy rows always, beam-search rows when
     it takes them (else they form request-level batches)."""
     return key.beam_size == 1 or running.takes_beams
+
+
+def gives_way_until(row: Candidate, limits: BatchLimits) -> float:
+    """Until when a queued beam-search row gives way to greedy rows (`joiners`): `max_beam_wait_s`
+    after it was queued, or half its time to its deadline when that is sooner."""
+    until = row.enqueued_at + limits.max_beam_wait_s
+    if row.deadline is not None:
+        until = min(until, row.enqueued_at + (row.deadline - row.enqueued_at) / 2)
+    return until
 
 
 def join_age_limit(max_join_age: int, join_rows: int, rows: int) -> int:
@@ -140,7 +155,7 @@ def joiners(queue: Iterable[Row], running: RunningState, limits: BatchLimits, no
             continue
         width = max(longest, len(row.source))
         beams = row.key.beam_size
-        if beams > 1 and rows and rows + beams > limits.beam_rows and now - row.enqueued_at < limits.max_beam_wait_s:
+        if beams > 1 and rows and rows + beams > limits.beam_rows and now < gives_way_until(row, limits):
             continue  # gives way to the greedy rows behind it while the batch is busy (never with a wait of 0)
         # a row of more beams than the batch's size joins an empty batch alone
         too_many = taken + beams > room and (taken or running.rows)
@@ -164,16 +179,18 @@ def joiners(queue: Iterable[Row], running: RunningState, limits: BatchLimits, no
 def join_due(queue: Iterable[Row], running: RunningState, limits: BatchLimits,
              now: float) -> float | None:
     """Seconds until the oldest waiting row that joins the batch (`joins`) may join without a
-    group, when that is ahead and the batch has room; None otherwise (a finishing row or an
+    group, or the oldest beam-search row stops giving way (`gives_way_until`), whichever is
+    sooner, when that is ahead and the batch has room; None otherwise (a finishing row or an
     arrival wakes the scheduler then)."""
     if running.rows >= limits.max_batch_size:
         return None
-    waiting = [row for row in queue if joins(row.key, running) and not row.done]
-    if not waiting:
+    oldest = next((row for row in queue if joins(row.key, running) and not row.done), None)
+    if oldest is None:
         return None
-    dues = [waiting[0].enqueued_at + limits.max_join_wait_s - now]
-    beam = next((row for row in waiting if row.key.beam_size > 1), None)
-    if beam is not None and limits.max_beam_wait_s:  # a beam-search row giving way joins at the latest then
-        dues.append(beam.enqueued_at + limits.max_beam_wait_s - now)
+    dues = [oldest.enqueued_at + limits.max_join_wait_s - now]
+    if limits.max_beam_wait_s:  # the oldest beam-search row giving way joins at the latest then
+        beam = next((row for row in queue if row.key.beam_size > 1 and joins(row.key, running) and not row.done), None)
+        if beam is not None:
+            dues.append(gives_way_until(beam, limits) - now)
     ahead = [due for due in dues if due > 0]
     return min(ahead) if ahead else None

@@ -108,10 +108,11 @@ class Settings(BaseSettings):
         description="continuous: longest wait to join the running batch in a group",
     )
     max_beam_wait_ms: float = Field(
-        default=1000.0, ge=0, description="continuous: while the running batch holds more than "
+        default=0.0, ge=0, description="continuous: while the running batch holds more than "
         "a quarter of max_batch_size rows (a beam-search row's beams counted), a beam-search "
-        "request gives way to the greedy requests queued behind it for at most this long, then "
-        "joins (0: it never gives way)",
+        "request gives way to the greedy requests queued behind it for at most this long (or "
+        "half its time to its deadline), then joins (0, the default: it never gives way; "
+        "bench/README.md, \"Beam rows giving way\")",
     )
     max_join_age: int = Field(
         default=24, ge=0, description="continuous: rows join a running batch of a quarter of "

@@ -85,7 +85,7 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-beam-wait-ms", type=float,
                    help="continuous batching: longest a beam-search request gives way to greedy "
                    "requests while the running batch holds more than a quarter of "
-                   "--max-batch-size rows (default 1000; 0: never)")
+                   "--max-batch-size rows (default 0: never)")
     p.add_argument("--max-join-age", type=int,
                    help="continuous batching: rows join only while the running batch's oldest row "
                    "has run at most this many decoder steps (default 24; 0: any)")

@@ -26,6 +26,7 @@ class Row:
     key: RowKey = GREEDY
     enqueued_at: float = 0.0
     done: bool = False
+    deadline: float | None = None
 
 
 def rows(*lengths: int, key: RowKey = GREEDY, at: float = 0.0) -> list[Row]:
@@ -59,8 +60,7 @@ def test_beam_rows_join_a_batch_that_takes_beams_one_row_per_beam() -> None:
     beams = RunningState(rows=1, longest=5, takes_beams=True)
     assert joiners(queue, beams, BatchLimits(), now=0.0) == queue
     # room for 4 more rows: the greedy row (1) fits, the beam row (4) does not, nor what follows
-    waited = BatchLimits(max_batch_size=5).max_beam_wait_s  # (the beam row no longer gives way)
-    assert joiners(queue, beams, BatchLimits(max_batch_size=5), now=waited) == [queue[0]]
+    assert joiners(queue, beams, BatchLimits(max_batch_size=5), now=0.0) == [queue[0]]  # (by default it never gives way)
     # the token budget counts a beam row's rows: (1 + 1 + 4) x 5 = 30 > 24
     assert joiners(queue, beams, BatchLimits(max_batch_tokens=24), now=0.0) == [queue[0]]
 
@@ -81,7 +81,10 @@ def test_a_beam_row_gives_way_to_greedy_rows_while_the_batch_is_busy() -> None:
     # greedy rows chosen ahead of it count: 3 + 1 + 1 + 4 > 8
     late = [*rows(3, 5, at=1.0), *rows(4, key=BEAM, at=1.0)]
     assert joiners(late, RunningState(rows=3, longest=5, takes_beams=True), limits, now=1.0) == late[:2]
-    never = BatchLimits(max_batch_size=32, max_beam_wait_s=0.0)  # --max-beam-wait-ms 0: it never gives way
+    queue[0].deadline = 1.4  # gives way for half its time to its deadline when that is sooner
+    assert joiners(queue, busy, limits, now=1.1) == queue[1:] and joiners(queue, busy, limits, now=1.2) == queue
+    assert join_due(queue, busy, limits, now=1.15) == pytest.approx(0.05)  # its half ends at 1.2
+    never = BatchLimits(max_batch_size=32)  # the default, --max-beam-wait-ms 0: it never gives way
     assert joiners(queue, busy, never, now=1.0) == queue and join_due(queue, busy, never, now=1.05) == pytest.approx(0.05)
 
 
