@@ -378,7 +378,7 @@ def update_step_graphs(directory: str | Path) -> list[str]:
                 continue
             originals[name] = path.read_bytes()
             onnx.save_model(graph, str(path))
-            _same_outputs(path, originals[name], manifest.config.vocab_size)
+            _same_outputs(path, originals[name], manifest.config.vocab_size, manifest.config.n_decoder_layers)
         if originals:
             write_manifest(directory, manifest)
             verify_files(directory, read_manifest(directory))
@@ -387,7 +387,7 @@ def update_step_graphs(directory: str | Path) -> list[str]:
     return list(originals)
 
 
-def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -> None:
+def _same_outputs(path: Path, original: bytes, vocab_size: int, layers: int, seed: int = 0) -> None:
     """The step graph at `path` gives exactly the outputs of the graph `original` (serialized,
     its weights beside `path`) on `random_step_inputs` (the new graph's last source positions, if
     it takes them, worked out from the same source mask and cross keys/values:
@@ -404,7 +404,6 @@ def _same_outputs(path: Path, original: bytes, vocab_size: int, seed: int = 0) -
     finally:
         scratch.unlink()
     feed = random_step_inputs(sessions[1], vocab_size, seed)
-    layers = sum(name.startswith("cross_") for name in feed) // 2
     cross = [feed[name] for name in graph_io.cross_names(layers)]
     new_feed = {**feed, **last_source_feed(sessions[0], cross, feed["source_mask"])}
     new_feed = {value.name: new_feed[value.name] for value in sessions[0].get_inputs()}

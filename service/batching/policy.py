@@ -56,8 +56,9 @@ class BatchLimits:
     @property
     def beam_rows(self) -> int:
         """The running batch's rows, counting a beam-search row's beams, up to which a beam-search
-        row joins it before it has waited `max_beam_wait_s` (a quarter of `max_batch_size`)."""
-        return max(1, self.max_batch_size // 4)
+        row joins it before it has waited `max_beam_wait_s` (a quarter of `max_batch_size`, as
+        `join_rows`)."""
+        return self.join_rows
 
 
 @dataclass(frozen=True)

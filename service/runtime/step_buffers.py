@@ -123,16 +123,27 @@ def takes_last_source(session: ort.InferenceSession) -> bool:
     return known
 
 
+def last_source_arrays(rows: int, cross: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+    """Zeroed arrays for `rows` rows' last source positions and the keys/values there, by input
+    name: `source_last` (rows,) int32 and, per cross array (_, h, S, d), its `cross_last_*`
+    (rows, 1, h * d) float32."""
+    arrays = {graph_io.SOURCE_LAST: np.zeros(rows, dtype=np.int32)}
+    for name, array in zip(graph_io.cross_last_names(len(cross) // 2), cross, strict=True):
+        arrays[name] = np.zeros((rows, 1, array.shape[1] * array.shape[3]), dtype=np.float32)
+    return arrays
+
+
 def last_source_columns(cross: Sequence[np.ndarray], source_mask: np.ndarray, scales: Sequence[float] | None,
-                        source_last: np.ndarray, last: Sequence[np.ndarray]) -> None:
-    """Write each row's last source position (its source length - 1, 0 for an empty source: as
-    the graph clamps it) into `source_last` (rows,) int32, and, per cross array (rows, h, S, d),
-    the key/value there into `last` (rows, 1, h * d) float32, heads in order: an int8 array's
-    int8 times its scale from `scales` in float32, as the graph itself would dequantize it."""
+                        out: Mapping[str, np.ndarray]) -> None:
+    """Write into the first rows of `out` (`last_source_arrays`) each row's last source position
+    (its source length - 1, 0 for an empty source: as the graph clamps it) and, per cross array
+    (rows, h, S, d), the key/value there, heads in order: an int8 array's int8 times its scale
+    from `scales` in float32, as the graph itself would dequantize it."""
     rows = len(source_mask)
     index = np.maximum(source_mask.sum(axis=1), 1) - 1
-    source_last[:rows] = index
+    out[graph_io.SOURCE_LAST][:rows] = index
     every = np.arange(rows)
+    last = [out[name] for name in graph_io.cross_last_names(len(cross) // 2)]
     for i, (array, target) in enumerate(zip(cross, last, strict=True)):
         column = array[every, :, index, :]  # (rows, h, d)
         values = column.astype(np.float32)
@@ -148,11 +159,9 @@ def last_source_feed(session: ort.InferenceSession, cross: Sequence[np.ndarray],
     source mask."""
     if not takes_last_source(session):
         return {}
-    rows, layers = len(source_mask), len(cross) // 2
-    source_last = np.empty(rows, dtype=np.int32)
-    last = [np.empty((rows, 1, a.shape[1] * a.shape[3]), dtype=np.float32) for a in cross]
-    last_source_columns(cross, source_mask, cross_scales(session), source_last, last)
-    return {graph_io.SOURCE_LAST: source_last, **dict(zip(graph_io.cross_last_names(layers), last, strict=True))}
+    arrays = last_source_arrays(len(source_mask), cross)
+    last_source_columns(cross, source_mask, cross_scales(session), arrays)
+    return arrays
 
 
 # the devices that read a step session's bound cache and cross keys/values (`binding_kept`)
@@ -387,12 +396,8 @@ class HostSlots:
         they hold them already (no row joined or moved since). Allocated once per buffers, so a
         binding to them stays valid as they are rewritten."""
         if self._last is None:
-            self._last = {graph_io.SOURCE_LAST: np.zeros(self.rows, dtype=np.int32)}
-            names = graph_io.cross_last_names(len(self.cross) // 2)
-            for name, array in zip(names, self.cross, strict=True):
-                self._last[name] = np.zeros((self.rows, 1, array.shape[1] * array.shape[3]), dtype=np.float32)
+            self._last = last_source_arrays(self.rows, self.cross)
         if count > self._last_rows:
-            arrays = list(self._last.values())
-            last_source_columns([c[:count] for c in self.cross], source_mask, self.cross_scales, arrays[0], arrays[1:])
+            last_source_columns([c[:count] for c in self.cross], source_mask, self.cross_scales, self._last)
             self._last_rows = count
         return self._last

@@ -6,7 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.runtime.step_buffers import HostSlots, binding_kept, copy_rows, last_source_columns
+from service.runtime.step_buffers import (
+    HostSlots,
+    binding_kept,
+    copy_rows,
+    last_source_arrays,
+    last_source_columns,
+)
 
 
 def _expected(array: np.ndarray, sources: list[int], targets: list[int], columns: int | None) -> np.ndarray:
@@ -71,16 +77,19 @@ def test_last_source_columns_are_each_rows_last_source_key_value_dequantized() -
     cross = [rng.integers(-127, 128, (3, 2, 5, 4)).astype(np.int8) for _ in range(2)]  # (rows, h, S, d)
     mask = np.zeros((3, 5), dtype=bool)
     mask[0, :5], mask[1, :2] = True, True  # row 2: an empty source reads column 0, as the graph clamps it
-    source_last = np.full(4, -1, dtype=np.int32)
-    last = [np.zeros((4, 1, 8), dtype=np.float32) for _ in cross]
-    last_source_columns(cross, mask, [0.5, 0.25], source_last, last)
+    arrays = last_source_arrays(4, cross)
+    assert list(arrays) == ["source_last", "cross_last_key.0", "cross_last_value.0"]
+    source_last, last = arrays["source_last"], [arrays["cross_last_key.0"], arrays["cross_last_value.0"]]
+    source_last[:] = -1
+    assert all(a.shape == (4, 1, 8) and a.dtype == np.float32 for a in last)
+    last_source_columns(cross, mask, [0.5, 0.25], arrays)
     assert source_last.tolist() == [4, 1, 0, -1]  # the fourth row is not among the rows given
     for array, out, scale in zip(cross, last, (0.5, 0.25), strict=True):
         for row, column in enumerate((4, 1, 0)):
             np.testing.assert_array_equal(out[row, 0], array[row, :, column].reshape(-1).astype(np.float32) * np.float32(scale))
         assert not out[3].any()
     floats = [a.astype(np.float32) for a in cross]
-    last_source_columns(floats, mask, None, source_last, last)
+    last_source_columns(floats, mask, None, arrays)
     np.testing.assert_array_equal(last[1][1, 0], floats[1][1, :, 1].reshape(-1))
 
 
