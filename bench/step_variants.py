@@ -11,7 +11,13 @@ Each graph variant is a copy of the repository with its int8 encoder and step gr
   `SkipLayerNormalization` node (onnxruntime's own transformer fusion, which keeps the sum as a
   fourth output where the residual goes on), ten fewer nodes per step;
 - `float-self-cache`: the step graph's self-attention cache in float32 again, its cross
-  keys/values still int8 (`export.kv_cache` quantizes both).
+  keys/values still int8 (`export.kv_cache` quantizes both);
+- `packed-projections`: each self-attention's query, key and value as one int8 product, packed
+  into its kernel (`export.fused_projections`; run it on a repository exported before the int8
+  export did this);
+- `split-projections`: that, and in the encoder each group of projections of one activation (a
+  layer's query, key and value; the cross keys/values of every decoder layer) as one product
+  followed by a `Split`.
 `--padding-slacks` adds the shipped repository with newcomers encoded in groups padded to at
 most that many times their tokens (`SlotBatch(padding_slack=...)`, 1.25 by default).
 
@@ -46,6 +52,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from bench import machine
+from export.fused_projections import fuse_shared_projections
 from export.kv_cache import QUANT_ATTRIBUTES, SCALE_INPUTS, has_int8_cache
 from service.repository import graph_io
 from service.repository.manifest import read_manifest, write_manifest
@@ -120,6 +127,20 @@ def _rewrite(directory: Path, rewrites: dict[str, Callable[[onnx.ModelProto], on
     write_manifest(directory, read_manifest(directory))
 
 
+def split_projections(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """`graph` with the int8 projections of each shared activation as one product, split apart
+    after it where no attention kernel takes them packed (`fuse_shared_projections(split=True)`)."""
+    fuse_shared_projections(graph, split=True)
+    return graph
+
+
+def packed_projections(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """`graph` with each self-attention's query, key and value as one product, packed into the
+    kernel (`fuse_shared_projections`, what the int8 export does)."""
+    fuse_shared_projections(graph)
+    return graph
+
+
 def unchanged(graph: onnx.ModelProto) -> onnx.ModelProto:
     """`graph` as it is: the control, saved as the rewritten graphs are (weights beside it)."""
     return graph
@@ -129,6 +150,8 @@ VARIANTS: dict[str, dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]]] = {
     "re-saved": {"encoder": unchanged, "step": unchanged},
     "skip-layer-norm": {"encoder": fuse_skip_layer_norms, "step": fuse_skip_layer_norms},
     "float-self-cache": {"step": float_self_cache},
+    "packed-projections": {"step": packed_projections},
+    "split-projections": {"encoder": split_projections, "step": packed_projections},
 }
 
 
@@ -198,6 +221,69 @@ def attention_us(cache: str, rows: int, length: int, capacity: int, calls: int, 
     return statistics.median(rounds)
 
 
+ALONE_SHAPES = (("step", 1), ("step", 64), ("encoder", 1), ("encoder", 16))  # graph, rows
+ALONE_SIZES = {"capacity": 64, "source_len": 40}  # the step's cache columns and source width
+ENCODER_TOKENS = 32  # the encoder's source length
+
+
+def _alone_feed(session: ort.InferenceSession, kind: str, rows: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Random inputs of the int8 graph `kind` at `rows` rows: the encoder `ENCODER_TOKENS` ids a
+    row; the step graph each row 10-29 cached positions in `ALONE_SIZES["capacity"]` columns and
+    a source of 11-40 positions."""
+    if kind == "encoder":
+        return {"input_ids": rng.integers(4, 1000, (rows, ENCODER_TOKENS))}
+    sizes = {"batch": rows, **ALONE_SIZES}
+    feed: dict[str, Any] = {}
+    for value in session.get_inputs():
+        shape = [d if isinstance(d, int) else sizes[d] for d in value.shape]
+        if value.name == "positions":
+            feed[value.name] = rng.integers(10, 30, shape)
+        elif value.name == graph_io.SOURCE_LAST:
+            feed[value.name] = rng.integers(10, ALONE_SIZES["source_len"], shape).astype(np.int32)
+        elif value.type == "tensor(int64)":
+            feed[value.name] = rng.integers(4, 1000, shape)
+        elif value.type == "tensor(int8)":
+            feed[value.name] = rng.integers(-100, 100, shape).astype(np.int8)
+        elif value.type == "tensor(bool)":
+            feed[value.name] = np.ones(shape, dtype=bool)
+        else:
+            feed[value.name] = rng.standard_normal(shape).astype(np.float32)
+    return feed
+
+
+def alone_ms(repositories: dict[str, Path], calls: int, rounds: int = 12, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Milliseconds per call of each repository's int8 step graph and encoder called alone (one
+    thread, the same random inputs for every arm, `ALONE_SHAPES`), the arms in alternating order
+    each round: per shape and arm the median of `rounds` rounds of `calls` calls and each round's
+    ratio to the first arm's."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    sessions = {name: dict(zip(("encoder", "step"), (ort.InferenceSession(str(path), options,
+                                                                         providers=["CPUExecutionProvider"])
+                                                    for path in _int8_graphs(directory)), strict=True))
+                for name, directory in repositories.items()}
+    first = next(iter(sessions))
+    result: dict[str, dict[str, Any]] = {}
+    for kind, rows in ALONE_SHAPES:
+        rng = np.random.default_rng(seed)
+        feed = _alone_feed(sessions[first][kind], kind, rows, rng)
+        outputs = [o.name for o in sessions[first][kind].get_outputs() if not o.name.startswith("encoder_attention")]
+        count = max(calls // rows if kind == "step" else calls // (4 * rows), 5)
+        times: dict[str, list[float]] = {name: [] for name in sessions}
+        for turn in range(rounds):
+            for name in (list(sessions) if turn % 2 == 0 else list(sessions)[::-1]):
+                session = sessions[name][kind]
+                session.run(outputs, feed)
+                start = time.perf_counter()
+                for _ in range(count):
+                    session.run(outputs, feed)
+                times[name].append((time.perf_counter() - start) / count * 1e3)
+        result[f"{kind} x{rows}"] = {name: {"median_ms": statistics.median(t),
+                                             "ratios": [round(a / b, 3) for a, b in zip(t, times[first], strict=True)]}
+                                      for name, t in times.items()}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_variants", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=Path("models/translate-en-it"))
@@ -210,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--attention", action="store_true", help="also time GroupQueryAttention alone")
-    parser.add_argument("--calls", type=int, default=300, help="attention calls per round (--attention)")
+    parser.add_argument("--calls", type=int, default=300,
+                        help="attention calls per round (--attention); a lone row's step calls per round (--alone)")
+    parser.add_argument("--alone", action="store_true",
+                        help="also time each arm's int8 step graph and encoder called alone at fixed shapes")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     from bench import workload as workload_module
@@ -256,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         same = {name: (1.0 if runtime is shipped else
                        sum(t == expected[i] for i, t in tokens(runtime).items()) / len(expected))
                 for name, runtime in runtimes.items()}
+        if args.alone:
+            result["alone_ms"] = alone_ms({SHIPPED: args.model, **{v: Path(scratch) / v for v in args.variants}},
+                                          args.calls)
     result["arms"] = {name: {"median": {key: statistics.median(run[key] for run in arm_runs) for key in arm_runs[0]},
                              "runs": arm_runs, "same_tokens": same.get(name, 1.0), "nodes": nodes.get(name)}
                       for name, arm_runs in runs.items()}
@@ -272,6 +364,17 @@ def main(argv: list[str] | None = None) -> int:
         nodes_cell = f"{count['encoder']} / {count['step']}" if count else "-"
         lines.append(f"| {name} | {nodes_cell} | {cell('total_s')} | "
                      f"{cell('step_s')} | {cell('join_s')} | {arm['same_tokens']:.3f} |")
+    if args.alone:
+        arms_alone = list(next(iter(result["alone_ms"].values())))
+        lines += ["", (f"Each arm's int8 graphs called alone, one thread, the same random inputs (the step: each row 10-29 "
+                       f"cached positions in {ALONE_SIZES['capacity']} columns, a source of 11-{ALONE_SIZES['source_len']}; "
+                       f"the encoder: {ENCODER_TOKENS} tokens a row), the arms alternating in 12 rounds: ms per call, "
+                       f"median; in brackets the median of the rounds' ratios to {arms_alone[0]}'s."), "",
+                  "| arm | " + " | ".join(result["alone_ms"]) + " |", "|---|" + "---|" * len(result["alone_ms"])]
+        for name in arms_alone:
+            cells = [f"{shape[name]['median_ms']:.3f} ({statistics.median(shape[name]['ratios']):.3f})"
+                     for shape in result["alone_ms"].values()]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if args.attention:
         timings = {cache: {f"{rows}x{length}x{capacity}": round(attention_us(cache, rows, length, capacity, args.calls), 1)
                            for rows, length, capacity in ATTENTION_SHAPES} for cache in ATTENTION_CACHES}

@@ -264,9 +264,10 @@ def _register_update_step_graphs(subcommands: argparse._SubParsersAction) -> Non
         description="Rewrite the step graphs a repository ships (each variant's decoder_step and its "
         "shortlist's) with the graph passes a new export applies (every layer reads its cache's shape from "
         "one input, so onnxruntime computes the per-layer index arithmetic once per step; each row's position "
-        "is taken before the output projection, so no copy of the logits follows it); check that each "
-        "gives the old graph's outputs exactly and record the new sha256s. Weights and every other file stay "
-        "as they are; on failure the repository is left unchanged.",
+        "is taken before the output projection, so no copy of the logits follows it; an int8 self-attention "
+        "takes its query, key and value from one product); check that each gives the old graph's outputs "
+        "exactly and record the new sha256s. Every other file stays as it is (a fused weight is appended to "
+        "the graph's weights.bin); on failure the repository is left unchanged.",
     )
     p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
     p.set_defaults(func=_update_step_graphs)

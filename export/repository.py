@@ -18,6 +18,7 @@ from typing import Any
 import onnx
 import torch
 
+from export.fused_projections import fuse_shared_projections
 from export.kv_cache import last_source_inputs
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
 from export.parity import check_parity, parity_sources, step_agreement
@@ -25,7 +26,7 @@ from export.quality import MAX_DROP, measure_quality, within_bound
 from export.step_graph import (
     STEP_DECODER_FILE,
     export_step_graph,
-    random_step_inputs,
+    random_graph_inputs,
     select_before_projection,
     share_input_shapes,
 )
@@ -359,25 +360,38 @@ def restored_on_failure(directory: Path, names: Iterable[str]) -> Iterator[None]
 
 def update_step_graphs(directory: str | Path) -> list[str]:
     """Give the step graphs of the repository `directory` (`step_graph_files`) this exporter's
-    graph passes (`share_input_shapes`, `select_before_projection`, and for an int8 cache
-    `kv_cache.last_source_inputs`), in place: only the graphs' nodes (and inputs) change, their
-    weights stay where they are. Each changed graph must give the old one's outputs exactly on
-    random inputs (`_same_outputs`); the manifest then lists the new sha256s. Returns the files
-    changed (none when they have the passes already); on any failure the repository is left as
-    it was."""
+    graph passes (`share_input_shapes`, `select_before_projection`, for an int8 cache
+    `kv_cache.last_source_inputs`, and for int8 graphs `fused_projections.fuse_shared_projections`),
+    in place: the graphs' nodes (and inputs) change; a fused weight is appended to the graph's
+    `weights.bin`, whose other weights stay where they are. Each changed graph must give the old
+    one's outputs exactly on random inputs (`_same_outputs`); the manifest then lists the new
+    sha256s. Returns the graph files changed (none when they have the passes already); on any
+    failure the repository is left as it was."""
+    from onnx.external_data_helper import load_external_data_for_model
+
     directory = Path(directory)
     manifest = read_manifest(directory)
     verify_files(directory, manifest)
     files = step_graph_files(manifest)
+    weights = [name for name in dict.fromkeys((Path(f).parent / GRAPH_WEIGHTS_FILE).as_posix() for f in files)
+               if (directory / name).exists()]
     originals: dict[str, bytes] = {}
-    with restored_on_failure(directory, files):
+    with restored_on_failure(directory, [*files, *weights]):
         for name in files:
             path = directory / name
             graph = onnx.load_model(str(path), load_external_data=False)
-            if not share_input_shapes(graph) + select_before_projection(graph) + last_source_inputs(graph):
+            changed = share_input_shapes(graph) + select_before_projection(graph) + last_source_inputs(graph)
+            with_weights = onnx.ModelProto()
+            with_weights.CopyFrom(graph)
+            load_external_data_for_model(with_weights, str(path.parent))
+            fused = fuse_shared_projections(with_weights)
+            if not changed + fused:
                 continue
             originals[name] = path.read_bytes()
-            onnx.save_model(graph, str(path))
+            if fused:
+                add_graphs(path.parent, {path.name: with_weights})
+            else:
+                onnx.save_model(graph, str(path))
             _same_outputs(path, originals[name], manifest.config.vocab_size, manifest.config.n_decoder_layers)
         if originals:
             write_manifest(directory, manifest)
@@ -389,8 +403,8 @@ def update_step_graphs(directory: str | Path) -> list[str]:
 
 def _same_outputs(path: Path, original: bytes, vocab_size: int, layers: int, seed: int = 0) -> None:
     """The step graph at `path` gives exactly the outputs of the graph `original` (serialized,
-    its weights beside `path`) on `random_step_inputs` (the new graph's last source positions, if
-    it takes them, worked out from the same source mask and cross keys/values:
+    its weights beside `path`) on `random_graph_inputs` (the new graph's last source positions, if
+    only it takes them, worked out from the same source mask and cross keys/values:
     `step_buffers.last_source_feed`)."""
     import numpy as np
     import onnxruntime as ort
@@ -403,9 +417,11 @@ def _same_outputs(path: Path, original: bytes, vocab_size: int, layers: int, see
         raise RuntimeError(f"{path}: onnxruntime cannot load the graph: {error}") from error
     finally:
         scratch.unlink()
-    feed = random_step_inputs(sessions[1], vocab_size, seed)
-    cross = [feed[name] for name in graph_io.cross_names(layers)]
-    new_feed = {**feed, **last_source_feed(sessions[0], cross, feed["source_mask"])}
+    feed = random_graph_inputs(sessions[1], vocab_size, seed)
+    new_feed = dict(feed)
+    if graph_io.SOURCE_LAST not in feed:  # the pass gave the new graph these inputs
+        cross = [feed[name] for name in graph_io.cross_names(layers)]
+        new_feed.update(last_source_feed(sessions[0], cross, feed["source_mask"]))
     new_feed = {value.name: new_feed[value.name] for value in sessions[0].get_inputs()}
     try:
         new, old = (session.run(None, f) for session, f in zip(sessions, (new_feed, feed), strict=True))

@@ -320,15 +320,18 @@ def _axis(node: onnx.NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "axis"), 0)
 
 
-def random_step_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str, Any]:
-    """Random inputs for a step graph's onnxruntime `session`: 3 rows, 8 cache columns, sources
-    of at most 5 (a prefix of each row's mask; last source positions below 5), positions within
-    the cache, ids below `vocab_size`; any other int8 input (a shortlist's columns) small
-    integers, float inputs positive (float16 where the graph takes it)."""
+def random_graph_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str, Any]:
+    """Random inputs for an onnxruntime `session` of a repository's graph, step graphs first: 3
+    rows, 8 cache columns, sources of at most 5 (a prefix of each row's mask; last source
+    positions below 5), positions within the cache, ids below `vocab_size`; for the merged
+    decoder one new position after 4 cached ones, its target mask all true; any other int8
+    input (a shortlist's columns) small integers, float inputs positive (float16 where the graph
+    takes it)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    sizes = {"batch": 3, "capacity": 8, "source_len": 5, "shortlist": 16}
+    sizes = {"batch": 3, "capacity": 8, "source_len": 5, "shortlist": 16, "new_len": 1, "past_len": 4,
+             "total_len": 5}
     feed: dict[str, Any] = {}
     for value in session.get_inputs():
         shape = [d if isinstance(d, int) else sizes.get(d, 4) for d in value.shape]
@@ -338,6 +341,8 @@ def random_step_inputs(session: Any, vocab_size: int, seed: int = 0) -> dict[str
             feed[value.name] = rng.integers(0, sizes["source_len"], shape).astype(np.int32)
         elif value.name == "positions":
             feed[value.name] = rng.integers(0, sizes["capacity"], shape)
+        elif value.type == "tensor(bool)":
+            feed[value.name] = np.ones(shape, dtype=bool)
         elif value.type == "tensor(int64)":
             feed[value.name] = rng.integers(0, vocab_size, shape)
         elif value.type == "tensor(int8)":

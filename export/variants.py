@@ -13,7 +13,9 @@
   A MatMul whose weight is a transposed initializer (the output projection tied to the
   embedding) first gets its own pre-transposed copy: the quantizer only turns a MatMul with
   an initializer weight into an integer MatMul, and would otherwise leave the largest MatMul
-  of a decoder step in float32.
+  of a decoder step in float32. The projections of one activation (a self-attention's query,
+  key and value; the cross keys/values of every decoder layer) then become one integer MatMul
+  (`export.fused_projections`), with the same outputs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 
 import onnx
 from onnx import numpy_helper
+
+from export.fused_projections import fuse_shared_projections
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,8 @@ def untie_transposed_weights(graph: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def to_int8(graph: onnx.ModelProto) -> onnx.ModelProto:
-    """Dynamically quantized: int8 weights per channel, uint8 activations computed per call."""
+    """Dynamically quantized: int8 weights per channel, uint8 activations computed per call; the
+    projections of one activation as one product (`fuse_shared_projections`)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     graph = untie_transposed_weights(graph)
@@ -108,7 +113,9 @@ def to_int8(graph: onnx.ModelProto) -> onnx.ModelProto:
             quantize_dynamic(graph, output, weight_type=QuantType.QInt8, per_channel=True)
         finally:
             root.setLevel(level)
-        return onnx.load_model(str(output), load_external_data=True)
+        quantized = onnx.load_model(str(output), load_external_data=True)
+    fuse_shared_projections(quantized)
+    return quantized
 
 
 def convert(graph: onnx.ModelProto, precision: str) -> onnx.ModelProto:

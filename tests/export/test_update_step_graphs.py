@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 
 from export.repository import step_graph_files, update_step_graphs
-from export.step_graph import random_step_inputs, select_before_projection, share_input_shapes
+from export.step_graph import random_graph_inputs, select_before_projection, share_input_shapes
 from service.repository.manifest import read_manifest, verify_files, write_manifest
 from service.runtime import CPU, ModelRuntime
 
@@ -94,7 +94,7 @@ def test_every_layer_reads_its_cache_shapes_from_one_input(trained_tiny, tmp_pat
     assert share_input_shapes(again) == _unshared(onnx.load_from_string(shared.SerializeToString()))
     assert again.SerializeToString() == shared.SerializeToString()
     sessions = [ort.InferenceSession(g.SerializeToString(), providers=[CPU]) for g in (shared, per_layer)]
-    feed = random_step_inputs(sessions[0], model.config.vocab_size)
+    feed = random_graph_inputs(sessions[0], model.config.vocab_size)
     for a, b in zip(*(s.run(None, feed) for s in sessions), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -120,7 +120,7 @@ def test_each_row_is_selected_before_the_output_projection(trained_tiny) -> None
     assert select_before_projection(again) == 1
     assert again.SerializeToString() == selected.SerializeToString()
     sessions = [ort.InferenceSession(g.SerializeToString(), providers=[CPU]) for g in (selected, after)]
-    feed = random_step_inputs(sessions[0], model.config.vocab_size)
+    feed = random_graph_inputs(sessions[0], model.config.vocab_size)
     for a, b in zip(*(s.run(None, feed) for s in sessions), strict=True):
         np.testing.assert_array_equal(a, b)
     half = to_fp16(after)
