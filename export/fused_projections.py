@@ -190,6 +190,7 @@ def _packed_attention(projections: list[_Projection], consumers: dict[str, list[
 
 
 def _drop_unused_initializers(graph: onnx.ModelProto) -> None:
+    """Remove the initializers no node and no output reads (the weights a fusion replaced)."""
     body = graph.graph
     read = {name for node in body.node for name in node.input} | {o.name for o in body.output}
     unused = [t for t in body.initializer if t.name not in read]
