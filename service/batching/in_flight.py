@@ -111,7 +111,7 @@ def choose(members: Sequence[Member[Owner] | None], logits: np.ndarray,
     for i, member in enumerate(members):
         if member is None:
             continue
-        if len(member.tokens) < len(member.prefix):
+        if member.prefix and len(member.tokens) < len(member.prefix):
             forced.append((i, member.prefix[len(member.tokens)]))
         if member.token_scores is not None:
             asking.append(i)
@@ -124,15 +124,20 @@ def advance(members: Sequence[Member[Owner] | None], best: np.ndarray, chosen: n
     log-probability `chosen[i]`, when scored), and stop it by `StoppingCriteria`; returns the
     rows that finished, with their index."""
     finished: list[tuple[int, tuple[Owner, GenerationResult]]] = []
+    rules: dict[int, StoppingCriteria] = {}  # one per token limit
+    tokens = best.tolist()
     for i, member in enumerate(members):
         if member is None:
             continue
-        token = int(best[i])
+        token = tokens[i]
         asked = member.token_scores
         if chosen is not None and (scores or asked is not None):
             member.score += float(chosen[i])
         cancelled = member.hooks is not None and member.hooks.cancelled
-        reason = StoppingCriteria(eos, member.max_new_tokens)(token, len(member.tokens), cancelled)
+        rule = rules.get(member.max_new_tokens)
+        if rule is None:
+            rule = rules[member.max_new_tokens] = StoppingCriteria(eos, member.max_new_tokens)
+        reason = rule(token, len(member.tokens), cancelled)
         if reason != EOS:
             member.tokens.append(token)
             if asked is not None and chosen is not None:

@@ -134,22 +134,22 @@ def last_source_arrays(rows: int, cross: Sequence[np.ndarray]) -> dict[str, np.n
 
 
 def last_source_columns(cross: Sequence[np.ndarray], source_mask: np.ndarray, scales: Sequence[float] | None,
-                        out: Mapping[str, np.ndarray]) -> None:
-    """Write into the first rows of `out` (`last_source_arrays`) each row's last source position
-    (its source length - 1, 0 for an empty source: as the graph clamps it) and, per cross array
-    (rows, h, S, d), the key/value there, heads in order: an int8 array's int8 times its scale
-    from `scales` in float32, as the graph itself would dequantize it."""
+                        out: Mapping[str, np.ndarray], start: int = 0) -> None:
+    """Write into rows `start`..len(source_mask)-1 of `out` (`last_source_arrays`) each row's last
+    source position (its source length - 1, 0 for an empty source: as the graph clamps it) and,
+    per cross array (rows, h, S, d), the key/value there, heads in order: an int8 array's int8
+    times its scale from `scales` in float32, as the graph itself would dequantize it."""
     rows = len(source_mask)
-    index = np.maximum(source_mask.sum(axis=1), 1) - 1
-    out[graph_io.SOURCE_LAST][:rows] = index
-    every = np.arange(rows)
+    index = np.maximum(source_mask[start:].sum(axis=1), 1) - 1
+    out[graph_io.SOURCE_LAST][start:rows] = index
+    every = np.arange(start, rows)
     last = [out[name] for name in graph_io.cross_last_names(len(cross) // 2)]
     for i, (array, target) in enumerate(zip(cross, last, strict=True)):
-        column = array[every, :, index, :]  # (rows, h, d)
+        column = array[every, :, index, :]  # (rows - start, h, d)
         values = column.astype(np.float32)
         if scales is not None:
             values *= np.float32(scales[i])
-        target[:rows, 0] = values.reshape(rows, -1)
+        target[start:rows, 0] = values.reshape(rows - start, -1)
 
 
 def last_source_feed(session: ort.InferenceSession, cross: Sequence[np.ndarray],
@@ -308,7 +308,7 @@ class HostSlots:
     def _clear_last_source(self) -> None:
         """No last source positions kept yet (`_last_source`)."""
         self._last: dict[str, np.ndarray] | None = None  # source_last, cross_last_*: over every slot
-        self._last_rows = 0  # the first slots they hold, 0 once rows joined or moved
+        self._last_rows = 0  # the first slots they hold (those before any slot written since)
 
     @property
     def rows(self) -> int:
@@ -337,17 +337,23 @@ class HostSlots:
                 values = np.clip(np.rint(values / self.cross_scales[index]), -127, 127)
             target[row:row + count, :, :w] = values
             target[row:row + count, :, w:] = 0
-        self._last_rows = 0
+        self._last_rows = min(self._last_rows, row)
 
     def move_rows(self, sources: np.ndarray, targets: np.ndarray, columns: int, cross: bool = True) -> None:
         """Copy slots `sources` onto slots `targets` (each target once; a target may be among
         the sources: numpy reads every source before it writes): their first `columns` cache
         columns and, with `cross`, their cross keys/values (without: slots of one source,
-        whose cross keys/values are the same already)."""
+        whose cross keys/values are the same already) and the last source positions kept
+        beside them (`_last_source`)."""
         self.buffers.move_rows(sources, targets, columns)
-        if cross:
-            copy_rows(self.cross, sources, targets)
-        self._last_rows = 0
+        if not cross:
+            return
+        copy_rows(self.cross, sources, targets)
+        if self._last is not None and len(sources) and int(sources.max()) < self._last_rows:
+            for array in self._last.values():
+                array[targets] = array[sources]
+        else:
+            self._last_rows = min(self._last_rows, int(targets.min()) if len(targets) else self._last_rows)
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> HostSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
@@ -392,12 +398,13 @@ class HostSlots:
 
     def _last_source(self, count: int, source_mask: np.ndarray) -> dict[str, np.ndarray]:
         """The arrays of every slot's last source position and cross keys/values there
-        (`last_source_columns`), worked out for the first `count` slots from `source_mask` unless
-        they hold them already (no row joined or moved since). Allocated once per buffers, so a
-        binding to them stays valid as they are rewritten."""
+        (`last_source_columns`), worked out from `source_mask` for those of the first `count` slots
+        that do not hold them already (slots written since; slots moved take theirs along).
+        Allocated once per buffers, so a binding to them stays valid as they are rewritten."""
         if self._last is None:
             self._last = last_source_arrays(self.rows, self.cross)
         if count > self._last_rows:
-            last_source_columns([c[:count] for c in self.cross], source_mask, self.cross_scales, self._last)
+            last_source_columns([c[:count] for c in self.cross], source_mask, self.cross_scales, self._last,
+                                start=self._last_rows)
             self._last_rows = count
         return self._last

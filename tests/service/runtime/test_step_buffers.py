@@ -91,6 +91,12 @@ def test_last_source_columns_are_each_rows_last_source_key_value_dequantized() -
     floats = [a.astype(np.float32) for a in cross]
     last_source_columns(floats, mask, None, arrays)
     np.testing.assert_array_equal(last[1][1, 0], floats[1][1, :, 1].reshape(-1))
+    for array in arrays.values():  # from a start row on: the rows before it are left as they are
+        array[:] = -1
+    last_source_columns(cross, mask, [0.5, 0.25], arrays, start=1)
+    assert source_last.tolist() == [-1, 1, 0, -1]
+    assert (last[0][0] == -1).all() and (last[1][0] == -1).all()
+    np.testing.assert_array_equal(last[1][1, 0], cross[1][1, :, 1].reshape(-1).astype(np.float32) * np.float32(0.25))
 
 
 class _Step:
