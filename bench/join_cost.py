@@ -74,8 +74,21 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
            make_batch: Callable[[Any], Any]) -> dict[str, float]:
     """Seconds in joins, in the batch copies (RunningBatch's rebuilds, SlotBatch's resizes), in
     steps and, within them, in SlotBatch's departures (the last rows moved into the finished
-    rows' slots); the counts of joins, copies, departures and steps."""
+    rows' slots) and in onnxruntime's step graph calls (`step_runtime_s`: the rest of a step is
+    the Python between two calls); the counts of joins, copies, departures and steps."""
     batch = make_batch(runtime)
+    in_runtime = [0.0]
+    step_session = getattr(runtime, "step", None)
+    if step_session is not None:  # time each step graph call (the instance's method, restored below)
+        bound_run = step_session.run_with_iobinding
+
+        def timed_run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return bound_run(*args, **kwargs)
+            finally:
+                in_runtime[0] += time.perf_counter() - started
+        step_session.run_with_iobinding = timed_run
     timed = {"copy": [0.0, 0], "leave": [0.0, 0]}
 
     def timing(key: str, method: Callable[..., None]) -> Callable[..., None]:
@@ -94,21 +107,27 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     count = groups = 0
     index = 0
     begun = time.perf_counter()
-    while index < len(sources) or len(batch):
-        if index < len(sources) and len(batch) < rows:  # at most `group`, never past `rows` (as admission)
-            newcomers = sources[index:index + min(group, rows - len(batch))]
+    try:
+        while index < len(sources) or len(batch):
+            if index < len(sources) and len(batch) < rows:  # at most `group`, never past `rows` (as admission)
+                newcomers = sources[index:index + min(group, rows - len(batch))]
+                started = time.perf_counter()
+                batch.concatenate(newcomers, list(range(index, index + len(newcomers))),
+                                  [runtime.max_target_len] * len(newcomers))
+                joins += time.perf_counter() - started
+                groups += 1
+                index += len(newcomers)
             started = time.perf_counter()
-            batch.concatenate(newcomers, list(range(index, index + len(newcomers))), [runtime.max_target_len] * len(newcomers))
-            joins += time.perf_counter() - started
-            groups += 1
-            index += len(newcomers)
-        started = time.perf_counter()
-        batch.generate_token()
-        steps += time.perf_counter() - started
-        count += 1
+            batch.generate_token()
+            steps += time.perf_counter() - started
+            count += 1
+        total = time.perf_counter() - begun
+    finally:
+        if step_session is not None:
+            del step_session.run_with_iobinding  # the class's method again
     return {"join_s": joins, "joins": groups, "copy_s": timed["copy"][0], "copies": timed["copy"][1], "step_s": steps,
-            "leave_s": timed["leave"][0], "leaves": timed["leave"][1], "steps": count,
-            "total_s": time.perf_counter() - begun}
+            "step_runtime_s": in_runtime[0], "leave_s": timed["leave"][0], "leaves": timed["leave"][1], "steps": count,
+            "total_s": total}
 
 
 def profile(model_dir: Path, sources: list[list[int]], rows: int, group: int,
@@ -224,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{mode}: joins {median['join_s']:.3f} s ({median['copies']:.0f} copies, {median['copy_s']:.3f} s), "
               f"steps {median['step_s']:.3f} s over {median['steps']:.0f} steps "
-              f"({median['leaves']:.0f} departures, {median['leave_s']:.3f} s)")
+              f"({median['leaves']:.0f} departures, {median['leave_s']:.3f} s; "
+              f"{median.get('step_runtime_s', 0.0):.3f} s in onnxruntime)")
     return 0
 
 
