@@ -346,14 +346,14 @@ class HostSlots:
         whose cross keys/values are the same already) and the last source positions kept
         beside them (`_last_source`)."""
         self.buffers.move_rows(sources, targets, columns)
-        if not cross:
+        if not cross or not len(targets):
             return
         copy_rows(self.cross, sources, targets)
-        if self._last is not None and len(sources) and int(sources.max()) < self._last_rows:
+        if self._last is not None and int(sources.max()) < self._last_rows:  # every source holds them
             for array in self._last.values():
                 array[targets] = array[sources]
         else:
-            self._last_rows = min(self._last_rows, int(targets.min()) if len(targets) else self._last_rows)
+            self._last_rows = min(self._last_rows, int(targets.min()))
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> HostSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
