@@ -46,7 +46,7 @@ from bench import gqa_cuda, join_cost, machine, static_step, step_graph_parity
 from bench.in_process import load_runtime, run_batches
 from bench.load import closed_loop, text_bodies
 from bench.servers import ServerProcess, free_port, service_command
-from bench.stats import summarise
+from bench.stats import summarise, timed_calls
 from bench.workload import load as load_workload
 from service.core.settings import BATCH_ROWS
 from service.repository.manifest import read_manifest
@@ -251,27 +251,9 @@ def _alone_replay(runtime: ModelRuntime, sources: list[list[int]]) -> dict[str, 
     """The sources one at a time through a one-row running batch on the step graph: mean
     milliseconds per sentence, per step, and per sentence in its join, of which its encoder call
     (the runtime's, or the lone slot's own)."""
-    encoding = [0.0]
-
-    def timed(owner: Any) -> None:  # the encoder's share of each join, timed on `owner`
-        encode = owner.encode
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return encode(*args, **kwargs)
-            finally:
-                encoding[0] += time.perf_counter() - started
-        owner.encode = run
-
     owners = [runtime, *([runtime.lone] if runtime.lone is not None else [])]
-    for owner in owners:
-        timed(owner)
-    try:
+    with timed_calls(owners, "encode") as encoding:  # the encoder's share of each join
         alone = join_cost.replay(runtime, sources, 1, 1, join_cost.MODES[join_cost.STEP_MODE])
-    finally:
-        for owner in owners:
-            del owner.encode  # the class's method again
     count = max(len(sources), 1)
     return {"steps": alone["steps"], "ms_per_sentence": 1000 * alone["total_s"] / count,
             "ms_per_step": 1000 * alone["step_s"] / max(alone["steps"], 1),

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import machine
+from bench.stats import timed_calls
 
 
 def _merged(trim_slack: int, scores: bool) -> Callable[[Any], Any]:
@@ -77,18 +78,7 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     rows' slots) and in onnxruntime's step graph calls (`step_runtime_s`: the rest of a step is
     the Python between two calls); the counts of joins, copies, departures and steps."""
     batch = make_batch(runtime)
-    in_runtime = [0.0]
     step_session = getattr(runtime, "step", None)
-    if step_session is not None:  # time each step graph call (the instance's method, restored below)
-        bound_run = step_session.run_with_iobinding
-
-        def timed_run(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return bound_run(*args, **kwargs)
-            finally:
-                in_runtime[0] += time.perf_counter() - started
-        step_session.run_with_iobinding = timed_run
     timed = {"copy": [0.0, 0], "leave": [0.0, 0]}
 
     def timing(key: str, method: Callable[..., None]) -> Callable[..., None]:
@@ -107,7 +97,7 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     count = groups = 0
     index = 0
     begun = time.perf_counter()
-    try:
+    with timed_calls([step_session] if step_session is not None else [], "run_with_iobinding") as in_runtime:
         while index < len(sources) or len(batch):
             if index < len(sources) and len(batch) < rows:  # at most `group`, never past `rows` (as admission)
                 newcomers = sources[index:index + min(group, rows - len(batch))]
@@ -122,9 +112,6 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
             steps += time.perf_counter() - started
             count += 1
         total = time.perf_counter() - begun
-    finally:
-        if step_session is not None:
-            del step_session.run_with_iobinding  # the class's method again
     return {"join_s": joins, "joins": groups, "copy_s": timed["copy"][0], "copies": timed["copy"][1], "step_s": steps,
             "step_runtime_s": in_runtime[0], "leave_s": timed["leave"][0], "leaves": timed["leave"][1], "steps": count,
             "total_s": total}

@@ -1,8 +1,11 @@
-"""Throughput and latency numbers of one benchmark run: percentiles, sentences/s, tokens/s."""
+"""Throughput and latency numbers of one benchmark run: percentiles, sentences/s, tokens/s; and
+the seconds spent in one method of given objects (`timed_calls`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,3 +46,28 @@ def summarise(latencies_s: Sequence[float], target_tokens: int, elapsed_s: float
     p50, p95, p99 = percentiles(latencies_s)
     return RunStats(done, target_tokens, round(elapsed_s, 4), done / elapsed_s, target_tokens / elapsed_s,
                     p50, p95, p99, errors)
+
+
+@contextlib.contextmanager
+def timed_calls(owners: Sequence[Any], method: str) -> Iterator[list[float]]:
+    """Time every call of `method` on each of `owners` while the block runs: yields a one-item
+    list that holds the seconds summed over those calls. Each owner's method is wrapped as an
+    attribute of the instance, which is deleted afterwards (the class's method again)."""
+    seconds = [0.0]
+
+    def wrapped(run: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return run(*args, **kwargs)
+            finally:
+                seconds[0] += time.perf_counter() - started
+        return timed
+
+    for owner in owners:
+        setattr(owner, method, wrapped(getattr(owner, method)))
+    try:
+        yield seconds
+    finally:
+        for owner in owners:
+            delattr(owner, method)

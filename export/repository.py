@@ -381,10 +381,12 @@ def update_step_graphs(directory: str | Path) -> list[str]:
             path = directory / name
             graph = onnx.load_model(str(path), load_external_data=False)
             changed = share_input_shapes(graph) + select_before_projection(graph) + last_source_inputs(graph)
-            with_weights = onnx.ModelProto()
-            with_weights.CopyFrom(graph)
-            load_external_data_for_model(with_weights, str(path.parent))
-            fused = fuse_shared_projections(with_weights)
+            fused = 0
+            if any(node.op_type == "MatMulInteger" for node in graph.graph.node):  # int8: its weights are read
+                with_weights = onnx.ModelProto()
+                with_weights.CopyFrom(graph)
+                load_external_data_for_model(with_weights, str(path.parent))
+                fused = fuse_shared_projections(with_weights)
             if not changed + fused:
                 continue
             originals[name] = path.read_bytes()

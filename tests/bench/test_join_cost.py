@@ -28,6 +28,8 @@ def test_join_cost_compares_the_two_join_modes(tiny_bench_dirs: tuple[Path, Path
     assert slots["steps"] == in_place["steps"]  # the same tokens (fp32) on the step graph
     assert slots["copies"] < in_place["copies"]  # grown or shrunk a few times, never per join
     assert 0 < slots["leaves"] < slots["steps"] and 0 < slots["leave_s"] < slots["step_s"]  # within the steps
+    assert 0 < slots["step_runtime_s"] < slots["step_s"]  # the step graph's calls, within the steps
+    assert in_place["step_runtime_s"] == 0  # the merged decoder's calls are not the step graph's
     assert in_place["leaves"] == 0  # the merged decoder's dead slots stay until a newcomer fills them
 
 

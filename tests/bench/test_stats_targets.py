@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.stats import percentiles, summarise
+from bench.stats import percentiles, summarise, timed_calls
 from bench.targets import Target, evaluate, ratio
 
 
@@ -74,3 +74,21 @@ def test_evaluate_reads_the_harness_layout() -> None:
     by_name = {t.name: t for t in evaluate(results, top_concurrency=64)}
     assert by_name["continuous_p95"].ratio == pytest.approx(0.6)
     assert by_name["continuous_p95"].status == "met"  # 40% lower: at least the 30% asked
+
+
+def test_timed_calls_sums_the_seconds_in_a_method_and_gives_the_class_its_method_back() -> None:
+    import time
+
+    class Worker:
+        def work(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    a, b = Worker(), Worker()
+    with timed_calls([a, b], "work") as seconds:
+        assert a.work(0.01) == 0.01 and b.work(0.02) == 0.02
+    assert 0.03 <= seconds[0] < 1.0
+    assert "work" not in vars(a) and "work" not in vars(b)  # the class's method again
+    counted = seconds[0]
+    a.work(0.01)
+    assert seconds[0] == counted  # calls after the block are not counted
