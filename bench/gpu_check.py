@@ -488,8 +488,10 @@ def markdown(results: dict[str, Any]) -> str:
         if fixed:
             lines += ["", (f"A lone row on the step graph with fixed shapes ({fixed.get('sentences', 0)} sentences, "
                            "each alone; `bench.static_step`):")]
-            for way in ("dynamic", "static", "cuda_graph"):
-                run = fixed.get(way, {})
+            ways = {way: run for way, run in fixed.items() if isinstance(run, dict) and way != "fixed_dimensions"}
+            if "error" in fixed:
+                lines.append(f"- {fixed['error']}")
+            for way, run in ways.items():
                 lines.append(f"- {way}: " + (run["error"] if "error" in run else
                                              f"{run['ms_per_step']:.3f} ms per step"
                                              + (f", tokens as dynamic's for {run['same_tokens']:.0%} of sentences, "

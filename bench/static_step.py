@@ -11,11 +11,17 @@ written in place into the bound inputs and the logits read back:
 - `static`: a session of the same graph with the dimensions fixed;
 - `cuda_graph`: that session replaying a CUDA graph (CUDA only; otherwise, or when onnxruntime
   refuses, the reason);
-and reports each one's milliseconds per step, whether its tokens are the dynamic session's, and
-its largest logit difference from it while they agree. `make gpu-check` runs it beside
+and the same fixed-shape way (on CUDA the CUDA graph, else `static`) on rewritten copies of the
+step graph (`GRAPH_VARIANTS`: each self-attention's query, key and value as one packed product,
+`export.fused_projections.fuse_float_projections`; and that with each residual Add and the
+LayerNormalization after it as one `SkipLayerNormalization`, `bench.step_variants`), whose
+kernels a lone row's step on a GPU waits on one after the other. It reports each one's
+milliseconds per step, whether its tokens are the dynamic session's, and its largest logit
+difference from it while they agree. `make gpu-check` runs it beside
 `step_graph_alone` (the service's own path at concurrency 1, the lone slot on CUDA).
 
     python -m bench.static_step --model models/translate-en-it --data-dir data --sentences 16
+    python -m bench.static_step --model models/translate-en-it --data-dir data --variant fp32   # a float graph on the CPU
 """
 
 from __future__ import annotations
@@ -24,14 +30,19 @@ import argparse
 import json
 import shlex
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
+from bench.step_variants import fuse_skip_layer_norms
+from export.fused_projections import fuse_float_projections
+from export.storage import load_graph
 from service.runtime import CPU, CUDA, ModelRuntime
 from service.runtime.lone_slots import LoneSlots, fixed_dimensions, lone_session
 from service.runtime.tensors import to_numpy
@@ -39,12 +50,43 @@ from service.runtime.tensors import to_numpy
 _FLOAT_CACHES = ("tensor(float)", "tensor(float16)")
 
 
-def static_session(model_dir: Path, runtime: ModelRuntime, cuda_graph: bool = False) -> ort.InferenceSession:
-    """The runtime's step graph in a session with the lone slot's fixed dimensions
-    (`service.runtime.lone_slots.lone_session`), on the runtime's provider (with `cuda_graph`,
-    CUDA's graph capture on)."""
-    variant = runtime.manifest.variants[runtime.variant]
-    return lone_session(model_dir / variant.step_decoder, runtime.provider, _dimensions(runtime), cuda_graph,
+def packed_projections(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """`graph` with each self-attention's query, key and value as one packed product."""
+    fuse_float_projections(graph)
+    return graph
+
+
+def packed_projections_and_norms(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """`packed_projections`, and each residual Add with its LayerNormalization as one node."""
+    return fuse_skip_layer_norms(packed_projections(graph))
+
+
+GRAPH_VARIANTS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
+    "packed projections": packed_projections,
+    "packed projections, fused layer norms": packed_projections_and_norms,
+}
+
+
+def step_graph_path(model_dir: Path, runtime: ModelRuntime) -> Path:
+    """The runtime's variant's step graph in the repository `model_dir`."""
+    return model_dir / runtime.manifest.variants[runtime.variant].step_decoder
+
+
+def write_variant(model_dir: Path, runtime: ModelRuntime, rewrite: Callable[[onnx.ModelProto], onnx.ModelProto],
+                  folder: Path) -> Path:
+    """The runtime's step graph, its weights read in, rewritten by `rewrite` and saved whole
+    (weights inside) in `folder`: its path."""
+    path = folder / f"{len(list(folder.iterdir()))}.onnx"
+    onnx.save(rewrite(load_graph(step_graph_path(model_dir, runtime))), str(path))
+    return path
+
+
+def static_session(model_dir: Path, runtime: ModelRuntime, cuda_graph: bool = False,
+                   path: Path | None = None) -> ort.InferenceSession:
+    """The runtime's step graph (or the graph at `path`) in a session with the lone slot's fixed
+    dimensions (`service.runtime.lone_slots.lone_session`), on the runtime's provider (with
+    `cuda_graph`, CUDA's graph capture on)."""
+    return lone_session(path or step_graph_path(model_dir, runtime), runtime.provider, _dimensions(runtime), cuda_graph,
                         threads=1 if runtime.provider == CPU else 0, device_id=runtime.device_id,
                         fold_dequantize=runtime.variant == "int8")
 
@@ -76,23 +118,40 @@ def decode(row: LoneSlots, runtime: ModelRuntime, source: list[int],
 
 
 def measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]],
-            max_new_tokens: int | None = None) -> dict[str, Any]:
-    """The module docstring's three ways over `sources` (each decoded twice, the second timed):
-    ms per step, tokens the same as `dynamic`'s, largest logit difference while they agree."""
+            max_new_tokens: int | None = None,
+            graph_variants: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] | None = None) -> dict[str, Any]:
+    """The module docstring's ways over `sources` (each decoded twice, the second timed), the
+    step graph's rewrites `graph_variants` (default `GRAPH_VARIANTS`) included: ms per step,
+    tokens the same as `dynamic`'s, largest logit difference while they agree."""
     if runtime.step is None:
         return {"error": "the variant has no step graph"}
     cache_type = {i.name: i.type for i in runtime.step.get_inputs()}["past_key.0"]
     if cache_type not in _FLOAT_CACHES:
         return {"error": f"the step graph's cache is {cache_type} (export.kv_cache): a float graph only"}
-    limit = max_new_tokens or runtime.max_target_len
+    with tempfile.TemporaryDirectory(prefix="static-step-") as folder:
+        return _measure(model_dir, runtime, sources, max_new_tokens or runtime.max_target_len,
+                        GRAPH_VARIANTS if graph_variants is None else graph_variants, Path(folder))
+
+
+def _session_or_reason(make: Callable[[], ort.InferenceSession]) -> ort.InferenceSession | str:
+    try:
+        return make()
+    except Exception as error:  # noqa: BLE001 - onnxruntime's refusal is the finding
+        return f"{type(error).__name__}: {error}"
+
+
+def _measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]], limit: int,
+             graph_variants: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]], folder: Path) -> dict[str, Any]:
     sessions: dict[str, ort.InferenceSession | str] = {"dynamic": runtime.step, "static": static_session(model_dir, runtime)}
-    if runtime.provider != CUDA:
+    cuda = runtime.provider == CUDA
+    if not cuda:
         sessions["cuda_graph"] = f"CUDA graphs need the CUDA provider (this runtime is on {runtime.provider})"
     else:
-        try:
-            sessions["cuda_graph"] = static_session(model_dir, runtime, cuda_graph=True)
-        except Exception as error:  # noqa: BLE001 - onnxruntime's refusal is the finding
-            sessions["cuda_graph"] = f"{type(error).__name__}: {error}"
+        sessions["cuda_graph"] = _session_or_reason(lambda: static_session(model_dir, runtime, cuda_graph=True))
+    for name, rewrite in graph_variants.items():
+        way = f"{'cuda_graph' if cuda else 'static'}, {name}"
+        sessions[way] = _session_or_reason(lambda rewrite=rewrite: static_session(
+            model_dir, runtime, cuda_graph=cuda, path=write_variant(model_dir, runtime, rewrite, folder)))
     reference: list[tuple[list[int], list[np.ndarray]]] = []
     report: dict[str, Any] = {"sentences": len(sources), "fixed_dimensions": _dimensions(runtime)}
     for name, session in sessions.items():
@@ -128,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=Path("models/translate-en-it"))
     parser.add_argument("--data-dir", type=Path, default=Path("data"))
     parser.add_argument("--provider", default=CPU, choices=[CPU, CUDA])
+    parser.add_argument("--variant", default=None, help="the repository's variant (default: the provider's)")
     parser.add_argument("--sentences", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None, help="also write the report here (JSON)")
     args = parser.parse_args(argv)
@@ -137,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     manifest = read_manifest(args.model)
     providers = [args.provider] if args.provider == CPU else [args.provider, CPU]
-    runtime = load_runtime(args.model, 1 if args.provider == CPU else 0, providers=providers)
+    runtime = load_runtime(args.model, 1 if args.provider == CPU else 0, variant=args.variant, providers=providers)
     work = load_workload(args.data_dir, args.model.name, manifest.task, runtime.tokenizer, manifest.max_source_len,
                          args.sentences)
     report = {"command": "python -m bench.static_step " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -11,6 +11,14 @@ into one chain, which the kernel takes packed (its `query` input holding all thr
 `value` empty): one kernel call where there were three, each output column computed from the
 same int8 values and scales as before, so the outputs are the same to the last bit.
 
+The float step graphs (fp32, and fp16 for CUDA) multiply each projection with a `MatMul` of a
+weight cast from the repository's bfloat16 initializer, then add its bias. `fuse_float_projections`
+packs a self-attention's three the same way, in the graph alone: the weights and the biases are
+concatenated by `Concat` nodes over the casts, which onnxruntime folds into one constant when it
+loads the graph, so the repository's weights stay as they are. Each output column is the same
+dot product as before; whether a kernel's result is the same to the last bit at a wider product
+is the kernel's (the tests hold it to the CPU's).
+
 Where the projections' outputs go on as separate tensors (the encoder's query, key and value,
 its cross keys/values of every decoder layer), one product followed by a `Split` copying them
 apart was slower on the CPU (bench/README.md, "A self-attention's query, key and value as one
@@ -146,6 +154,110 @@ def fuse_shared_projections(graph: onnx.ModelProto, split: bool = False) -> int:
         _sort_topologically(body)
         _drop_unused_initializers(graph)
     return fused
+
+
+def fuse_float_projections(graph: onnx.ModelProto) -> int:
+    """Pack, in place, the query, key and value of each `GroupQueryAttention` that reads them from
+    three float products of one activation (`MatMul(x, W)`, each perhaps followed by `Add(b)`,
+    the weights and biases constant: initializers or casts of initializers) into one product that
+    the kernel takes packed (module doc). Returns the number of self-attentions packed."""
+    body = graph.graph
+    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    producer: dict[str, onnx.NodeProto] = {}
+    for node in body.node:
+        for name in node.input:
+            consumers[name].append(node)
+        for name in node.output:
+            producer[name] = node
+    shapes = {t.name: tuple(t.dims) for t in body.initializer}
+    graph_outputs = {o.name for o in body.output}
+    fused = 0
+    for attention in [n for n in body.node if n.op_type == "GroupQueryAttention"]:
+        names = list(attention.input[:3])
+        if "" in names or any(n in graph_outputs or len(consumers[n]) != 1 for n in names):
+            continue
+        products = [_float_product(name, consumers, producer, shapes) for name in names]
+        if any(p is None for p in products):
+            continue
+        chains = [p for p in products if p is not None]
+        if len({c.activation for c in chains}) != 1 or len({c.bias is None for c in chains}) != 1:
+            continue
+        if chains[1].width != chains[2].width:
+            continue
+        stem = f"{attention.name or names[0]}_packed"
+        packed = f"{stem}_output"
+        nodes = [
+            helper.make_node("Concat", [c.weight for c in chains], [f"{stem}_weight"], name=f"{stem}_weight_concat",
+                             axis=1),
+            helper.make_node("MatMul", [chains[0].activation, f"{stem}_weight"],
+                             [packed if chains[0].bias is None else f"{stem}_product"], name=f"{stem}_matmul"),
+        ]
+        if chains[0].bias is not None:
+            nodes += [
+                helper.make_node("Concat", [c.bias for c in chains if c.bias is not None], [f"{stem}_bias"],
+                                 name=f"{stem}_bias_concat", axis=0),
+                helper.make_node("Add", [f"{stem}_product", f"{stem}_bias"], [packed], name=f"{stem}_bias_add"),
+            ]
+        attention.input[0], attention.input[1], attention.input[2] = packed, "", ""
+        for chain in chains:
+            for node in chain.nodes:
+                body.node.remove(node)
+        body.node.extend(nodes)
+        fused += 1
+    if fused:
+        _sort_topologically(body)
+    return fused
+
+
+@dataclass(frozen=True)
+class _FloatProduct:
+    """One float projection `MatMul(activation, weight) [-> Add(bias)]`: its nodes, the names of
+    its activation, weight and bias (None without one) and its output width."""
+
+    nodes: tuple[onnx.NodeProto, ...]
+    activation: str
+    weight: str
+    bias: str | None
+    width: int
+
+
+def _float_product(output: str, consumers: dict[str, list[onnx.NodeProto]], producer: dict[str, onnx.NodeProto],
+                   shapes: dict[str, tuple[int, ...]]) -> _FloatProduct | None:
+    """The float projection whose result is `output`, or None where it is not that shape (a
+    weight or bias not constant, an intermediate read elsewhere, a weight not 2-D)."""
+    node = producer.get(output)
+    nodes: list[onnx.NodeProto] = []
+    bias = None
+    if node is not None and node.op_type == "Add":
+        operands = list(node.input)
+        products = [name for name in operands if (p := producer.get(name)) is not None and p.op_type == "MatMul"]
+        if len(products) != 1 or len(consumers[products[0]]) != 1:
+            return None
+        bias = operands[1 - operands.index(products[0])]
+        if _constant_shape(bias, producer, shapes) is None:
+            return None
+        nodes.append(node)
+        node = producer[products[0]]
+    if node is None or node.op_type != "MatMul":
+        return None
+    weight_shape = _constant_shape(node.input[1], producer, shapes)
+    if weight_shape is None or len(weight_shape) != 2:
+        return None
+    if bias is not None and _constant_shape(bias, producer, shapes) != (weight_shape[1],):
+        return None
+    nodes.append(node)
+    return _FloatProduct(tuple(nodes), node.input[0], node.input[1], bias, weight_shape[1])
+
+
+def _constant_shape(name: str, producer: dict[str, onnx.NodeProto],
+                    shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape of `name` where it is an initializer or a `Cast` of one, else None."""
+    node = producer.get(name)
+    if node is not None and node.op_type == "Cast" and len(node.input) == 1:
+        name = node.input[0]
+    elif node is not None:
+        return None
+    return shapes.get(name)
 
 
 def _sort_topologically(body: onnx.GraphProto) -> None:

@@ -4,10 +4,16 @@ runtime's own session does (on the CPU, the same tokens and logits within float 
 from __future__ import annotations
 
 import json
+import tempfile
+from collections import Counter
 from pathlib import Path
 
+import onnx
+
 from bench import static_step
+from export.storage import load_graph
 from service.generation.search import generate
+from service.repository.manifest import read_manifest
 from service.runtime import CPU, ModelRuntime
 from service.runtime.lone_slots import LoneSlots, fixed_dimensions
 
@@ -48,3 +54,25 @@ def test_a_variant_without_a_step_graph_says_so(tiny_runtime: ModelRuntime, tiny
                                                 monkeypatch) -> None:
     monkeypatch.setattr(tiny_runtime, "step", None)
     assert static_step.measure(tiny_model_repository, tiny_runtime, [[3]]) == {"error": "the variant has no step graph"}
+
+
+def test_the_step_graph_rewrites_decode_the_same_tokens(tiny_model_repository: Path,
+                                                        tiny_runtime: ModelRuntime) -> None:
+    """Each rewrite of the step graph (`GRAPH_VARIANTS`) is measured the fixed-shape way (on the
+    CPU, `static`), in a graph of fewer nodes, and decodes the dynamic session's tokens, its logits
+    within float rounding as the fixed-shape session's are."""
+    sources = [tiny_runtime.tokenizer.encode(text) + [tiny_runtime.eos_id] for text in ("abc de", "fg hij", "k")]
+    report = static_step.measure(tiny_model_repository, tiny_runtime, sources, 16)
+    packed, both = report["static, packed projections"], report["static, packed projections, fused layer norms"]
+    assert packed["steps"] == both["steps"] == report["dynamic"]["steps"]
+    assert packed["same_tokens"] == both["same_tokens"] == 1.0
+    assert packed["max_logit_difference"] < 1e-5 and both["max_logit_difference"] < 1e-4
+    with tempfile.TemporaryDirectory() as folder:
+        paths = {name: static_step.write_variant(tiny_model_repository, tiny_runtime, rewrite, Path(folder))
+                 for name, rewrite in static_step.GRAPH_VARIANTS.items()}
+        shipped = load_graph(static_step.step_graph_path(tiny_model_repository, tiny_runtime))
+        ops = {name: Counter(n.op_type for n in onnx.load(str(path)).graph.node) for name, path in paths.items()}
+    layers = read_manifest(tiny_model_repository).config.n_decoder_layers
+    before = Counter(n.op_type for n in shipped.graph.node)
+    assert ops["packed projections"]["MatMul"] == before["MatMul"] - 2 * layers
+    assert ops["packed projections, fused layer norms"]["SkipLayerNormalization"] >= 2 * layers

@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 
 import export.variants
-from export.fused_projections import fuse_shared_projections
+from export.fused_projections import fuse_float_projections, fuse_shared_projections
 from export.repository import update_step_graphs
 from export.step_graph import random_graph_inputs
 from export.storage import add_graphs, load_graph
@@ -152,3 +152,29 @@ def test_a_fusion_that_changes_the_outputs_leaves_the_repository_as_it_was(
     assert "changed with the graph passes" in caplog.text
     assert {p.relative_to(copy).as_posix(): p.read_bytes() for p in copy.rglob("*") if p.is_file()} == contents
     verify_files(copy, read_manifest(copy))
+
+
+def test_a_float_step_graphs_self_attentions_take_one_packed_product(tiny_model_repository: Path) -> None:
+    """`fuse_float_projections` on the fp32 step graph: each self-attention's three products (and
+    bias adds) become one over weights and biases concatenated in the graph (casts of the
+    repository's initializers, which onnxruntime folds at load), taken packed; on the CPU every
+    output is the unpacked graph's to the last bit. The merged decoder has no such attention and
+    is left as it is."""
+    config = read_manifest(tiny_model_repository).config
+    unpacked = load_graph(tiny_model_repository / "decoder_step.onnx")
+    packed = onnx.ModelProto()
+    packed.CopyFrom(unpacked)
+    assert fuse_float_projections(packed) == config.n_decoder_layers
+    assert _ops(unpacked)["MatMul"] - _ops(packed)["MatMul"] == 2 * config.n_decoder_layers
+    attention = [node for node in packed.graph.node if node.op_type == "GroupQueryAttention"]
+    assert sum(node.input[1] == node.input[2] == "" for node in attention) == config.n_decoder_layers
+    assert {t.name for t in packed.graph.initializer} == {t.name for t in unpacked.graph.initializer}
+    onnx.checker.check_model(packed)
+    session = ort.InferenceSession(unpacked.SerializeToString(), providers=[CPU])
+    feed = random_graph_inputs(session, config.vocab_size)
+    for a, b in zip(_outputs(packed, feed), session.run(None, feed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert fuse_float_projections(packed) == 0  # nothing left to pack
+    merged = load_graph(tiny_model_repository / "decoder.onnx")
+    before = merged.SerializeToString()
+    assert fuse_float_projections(merged) == 0 and merged.SerializeToString() == before
