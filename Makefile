@@ -48,8 +48,9 @@ lint: venv-dev
 # The CUDA execution provider verified and measured (bench/results/gpu/<gpu>/); on a machine
 # without a GPU it says why and exits 0. OFFLINE=1: the python3 on PATH as it is (a host prepared
 # with bench/GPU_OFFLINE.md), no virtualenv.
+GPU_CHECK_ARGS ?=
 gpu-check: $(if $(filter 1,$(OFFLINE)),,venv-dev)
-	$(if $(filter 1,$(OFFLINE)),python3,$(BIN)/python) -m bench.gpu_check --out bench/results/gpu
+	$(if $(filter 1,$(OFFLINE)),python3,$(BIN)/python) -m bench.gpu_check --out bench/results/gpu $(GPU_CHECK_ARGS)
 
 # What a GPU host without network lacks for `make gpu-check OFFLINE=1` (CPython 3.12, x86-64), in
 # $(WHEELS): onnxruntime-gpu in parts of PART_MB MiB, the serving stack, attnserve's own wheel.

@@ -19,7 +19,11 @@
    batch holds at most as many sentences as the service has clients. GPU memory in use is
    read from `nvidia-smi` after each part.
 4. Writes `<out>/<gpu name>/gpu-check.json` and `gpu-check.md`: every number, the device, the
-   driver, onnxruntime's version and the provider each part actually ran on.
+   driver, onnxruntime's version and the provider each part actually ran on. The JSON is
+   written again after each part (`complete` false until the end), so a run stopped midway (a
+   lent machine's time running out) keeps what it measured; `--budget-s` skips the service runs
+   still to come once that many seconds have passed, the default settings at every concurrency
+   excepted (`service_runs`: the runs most wanted first), and lists them.
 
 `--provider CPUExecutionProvider` runs steps 3-4 on the CPU (a dry run of the same code, used by
 its test on the tiny model).
@@ -36,7 +40,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -284,27 +288,33 @@ def step_graph_alone(runtime: ModelRuntime, model_dir: Path, sources: list[list[
 
 def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences: int, concurrency: list[int],
             batch_sizes: list[int], out: Path, service_batch_sizes: tuple[int, ...] = (64,),
-            service_processes: tuple[int, ...] = ()) -> dict[str, Any]:
-    """Steps 3 of the module docstring for one model; the service with each of
-    `service_batch_sizes` as its rows per batch (the first at every concurrency), and with each
-    of `service_processes` server processes (`--workers`) at the first rows per batch and the
-    top concurrency."""
+            service_processes: tuple[int, ...] = (), report: dict[str, Any] | None = None,
+            save: Callable[[], None] = lambda: None, deadline: float | None = None) -> dict[str, Any]:
+    """Steps 3 of the module docstring for one model, into `report` (a new dict by default),
+    `save` called after each part; the service with each of `service_batch_sizes` as its rows
+    per batch (the first at every concurrency), and with each of `service_processes` server
+    processes (`--workers`) at the first rows per batch and the top concurrency. Once
+    `time.monotonic()` passes `deadline`, the service runs after the first (the default settings
+    at every concurrency) are skipped and listed in `skipped`: the runs go first to last as
+    `service_runs` orders them."""
+    report = {} if report is None else report
     manifest = read_manifest(models / model)
     runtime = load_runtime(models / model, providers=[provider] if provider == CPU else [provider, CPU])
     workload = load_workload(texts_dir, model, manifest.task, runtime.tokenizer, manifest.max_source_len, sentences)
     texts = (workload.texts * (sentences // max(len(workload), 1) + 1))[:sentences]
     sources = (workload.source_ids * (sentences // max(len(workload), 1) + 1))[:sentences]
     max_new_tokens = manifest.max_target_len
-    report: dict[str, Any] = {"model": model, "provider": runtime.provider, "variant": runtime.variant,
-                              "sentences": len(texts)}
+    report |= {"model": model, "provider": runtime.provider, "variant": runtime.variant, "sentences": len(texts)}
 
     report["in_process"], outputs = {}, []
     for b in batch_sizes:
         stats, results = run_batches(runtime, sources, b, max_new_tokens=max_new_tokens)
         report["in_process"][str(b)], outputs = stats.to_dict(), outputs or results
+        save()
     reference = load_runtime(models / model, variant="fp32", providers=[CPU])  # what the provider's outputs are held to
     report["agreement"] = agreement(reference, sources[:128], outputs[:128], max_new_tokens)
     report["quality"] = quality(runtime, reference, texts_dir / model, manifest.task)
+    save()
     del reference
     # one sentence at a time: the engine's own latency, beside the service's at concurrency 1
     report["in_process_alone"] = run_batches(runtime, sources[:ALONE], 1, max_new_tokens=max_new_tokens)[0].to_dict()
@@ -314,21 +324,19 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         report["step_graph_alone"] = step_graph_alone(runtime, models / model, sources, provider)
         # the same lone row on a step graph of fixed shapes, and replayed as a CUDA graph
         report["static_step"] = static_step.measure(models / model, runtime, sources[:STATIC_ALONE], max_new_tokens)
+        save()
     pieces = [runtime.tokenizer.pieces(ids) for ids in sources]  # what CTranslate2 takes
     del runtime
     report["memory_after_in_process"] = gpu()
 
     providers = [provider] if provider == CPU else [provider, CPU]
-    # the first rows per batch at every concurrency, the others at the top one; on CUDA the first
-    # also in the other batching modes (`SERVICE_MODES`) at the top one (`SINGLE_MODES` at one client)
-    runs = [(rows, "default", 1) for rows in service_batch_sizes]
-    runs += [(service_batch_sizes[0], mode, 1) for mode in SERVICE_MODES] * (provider == CUDA)
-    runs += [(service_batch_sizes[0], "default", processes) for processes in service_processes if processes > 1]
-    # as many clients and rows per batch as the largest batch in-process, where that is above the
-    # top concurrency: the service with the sentences in flight that the alternatives' best batch has
     wide = max(batch_sizes) if max(batch_sizes) > max(concurrency) else None
-    runs += [(wide, "wide", 1)] if wide is not None else []
-    for rows, mode, processes in runs:
+    for index, (rows, mode, processes) in enumerate(service_runs(provider, concurrency, batch_sizes,
+                                                                  service_batch_sizes, service_processes)):
+        if index and deadline is not None and time.monotonic() > deadline:
+            report.setdefault("skipped", []).append({"max_batch_size": rows, "mode": mode, "processes": processes})
+            save()
+            continue
         port = free_port()
         url = f"http://127.0.0.1:{port}/v1/{manifest.task}"
         command = service_command(models, port, providers=providers, max_queue_size=max(4096, 4 * max(concurrency)))
@@ -368,6 +376,7 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                 result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
                 report["service_batch_sizes"][str(rows)] = result.stats().to_dict()
                 report[f"memory_during_service_{rows}"] = served_gpu(server)
+        save()
 
     device = "cuda" if provider == CUDA else "cpu"
     report["pytorch"] = torch_baseline(models / model, sources, batch_sizes, max_new_tokens, device)
@@ -398,6 +407,22 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                                     "in_process_alone_p50_s": report["in_process_alone"]["latency_p50_s"],
                                     "bound_s": LATENCY_BOUND_S}
     return report
+
+
+def service_runs(provider: str, concurrency: list[int], batch_sizes: list[int], service_batch_sizes: tuple[int, ...],
+                 service_processes: tuple[int, ...]) -> list[tuple[int, str, int]]:
+    """The service's runs, (rows per batch, mode, server processes), most wanted first: the
+    default settings at every concurrency (the first rows per batch); as many clients and rows
+    per batch as the largest batch in-process, where that is above the top concurrency (the
+    sentences in flight of the alternatives' best batch); the other rows per batch at the top
+    concurrency; on CUDA the other batching modes (`SERVICE_MODES`, at the top concurrency or at
+    one client, `SINGLE_MODES`); server processes."""
+    runs = [(service_batch_sizes[0], "default", 1)]
+    runs += [(max(batch_sizes), "wide", 1)] if max(batch_sizes) > max(concurrency) else []
+    runs += [(rows, "default", 1) for rows in service_batch_sizes[1:]]
+    runs += [(service_batch_sizes[0], mode, 1) for mode in SERVICE_MODES] * (provider == CUDA)
+    runs += [(service_batch_sizes[0], "default", processes) for processes in service_processes if processes > 1]
+    return runs
 
 
 def _get(url: str) -> str:
@@ -535,6 +560,11 @@ def markdown(results: dict[str, Any]) -> str:
             lines += ["", (f"p50 of a single request: service {latency['service_p50_s'] * 1000:.1f} ms, the graphs "
                            f"in-process {latency['in_process_alone_p50_s'] * 1000:.1f} ms "
                            f"(bound ≤ {latency['bound_s'] * 1000:.0f} ms: {status}).")]
+        if report.get("skipped"):
+            lines += ["", "Not run, past `--budget-s`: " + "; ".join(
+                f"the service {run['mode']}, {run['max_batch_size']} rows per batch"
+                + (f", {run['processes']} server processes" if run["processes"] > 1 else "")
+                for run in report["skipped"]) + "."]
         own = memory.get("processes_used_mib")
         lines += ["", (f"GPU memory in use while serving: {memory.get('memory_used_mib', '-')} MiB "
                        f"of {memory.get('memory_total_mib', '-')}"
@@ -565,7 +595,11 @@ def main(argv: list[str] | None = None) -> int:
                         "and the first rows per batch (default: 4 on CUDA, none on the CPU)")
     parser.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
     parser.add_argument("--require-gpu", action="store_true", help="exit 1 instead of 0 when it cannot run")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="past this many seconds from the start, skip the service runs after each model's "
+                        "first (its default settings at every concurrency) and list them in the report")
     args = parser.parse_args(argv)
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     raise_open_files_limit()
 
     reason = skip_reason(args.provider)
@@ -577,11 +611,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "command": " ".join(["python -m bench.gpu_check", *(argv if argv is not None else sys.argv[1:])]),
+        "complete": False,
         "provider": args.provider, "gpu": device, "machine": machine.describe(),
         "onnxruntime": ort.__version__, "onnxruntime_providers": ort.get_available_providers(),
-        "tests": "not run" if args.no_tests else run_gpu_tests(out),
-        "step_graph_attention": gqa_cuda.check(), "step_graph_parity": [], "models": [],
+        "tests": "not run",
     }
+
+    def save() -> None:  # what the run has measured so far: a run stopped midway keeps it
+        (out / "gpu-check.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+    results["tests"] = "not run" if args.no_tests else run_gpu_tests(out)
+    results |= {"step_graph_attention": gqa_cuda.check(), "step_graph_parity": [], "models": []}
+    save()
     default_rows = BATCH_ROWS[args.provider]
     batch_sizes = args.batch_sizes or [64, 256, *[1024] * (args.provider == CUDA)]
     service_batch_sizes = tuple(args.service_batch_sizes or dict.fromkeys([default_rows, 64, 256]))
@@ -591,10 +632,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.provider == CUDA:  # where the fp16 step graph departs from the CPU's, with and without host totals
             results["step_graph_parity"] += [step_graph_parity.compare(args.models / model, "fp16", CUDA, host)
                                              for host in (False, True)]
-        results["models"].append(measure(args.models, model, args.texts, args.provider, args.sentences,
-                                         args.concurrency, batch_sizes, out, service_batch_sizes,
-                                         service_processes))
-    (out / "gpu-check.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+        results["models"].append({})
+        measure(args.models, model, args.texts, args.provider, args.sentences, args.concurrency, batch_sizes, out,
+                service_batch_sizes, service_processes, report=results["models"][-1], save=save, deadline=deadline)
+    results["complete"] = True
+    save()
     (out / "gpu-check.md").write_text(markdown(results), encoding="utf-8")
     print(f"wrote {out / 'gpu-check.md'}")
     tests = results["tests"]

@@ -43,6 +43,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     (folder,) = out.iterdir()
     results = json.loads((folder / "gpu-check.json").read_text())
     (report,) = results["models"]
+    assert results["complete"] is True and "skipped" not in report
     assert report["provider"] == report["service_provider"] == CPU
     assert set(report["service"]) == {"1", "4"} and set(report["in_process"]) == {"8"}
     # the service's rows per batch: 8 at every concurrency, 16 at the top one; the best of them is compared
@@ -113,6 +114,48 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "| service request-level batches, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
     report["target"] |= {"in_flight_alternative": "PyTorch fp32, batch 4", "in_flight_ratio": 1.5}
     assert "in flight (PyTorch fp32, batch 4): 1.50." in gpu_check.markdown(results)
+
+
+def test_past_its_budget_it_skips_the_later_service_runs_and_keeps_what_it_measured(
+        tiny_model_repository: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `--budget-s 0` the service runs only with its default settings (at every
+    concurrency); the others are listed as skipped. A run that stops midway (here the
+    PyTorch baseline fails) leaves its JSON with every part measured before, `complete` false."""
+    assert gpu_check.service_runs(CPU, [1, 4], [8], (8, 16), (2,)) == \
+        [(8, "default", 1), (8, "wide", 1), (16, "default", 1), (8, "default", 2)]
+    assert [mode for _, mode, _ in gpu_check.service_runs(CUDA, [1, 256], [256], (256,), ())] == \
+        ["default", *gpu_check.SERVICE_MODES]  # no batch above the top concurrency: no wide run
+    monkeypatch.setattr(gpu_check, "ALONE", 8)
+    monkeypatch.setattr(gpu_check, "STATIC_ALONE", 2)
+
+    def stopped(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the machine went away")
+
+    monkeypatch.setattr(gpu_check, "torch_baseline", stopped)
+    models = tmp_path / "models"
+    shutil.copytree(tiny_model_repository, models / "tiny")
+    texts = tmp_path / "texts" / "tiny"
+    texts.mkdir(parents=True)
+    for name in ("test.src", "test.tgt"):
+        shutil.copy(tiny_model_repository.parent / "data" / name, texts / name)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="went away"):
+        gpu_check.main(["--provider", CPU, "--models", str(models), "--texts", str(tmp_path / "texts"),
+                        "--model", "tiny", "--out", str(out), "--sentences", "8", "--concurrency", "1", "4",
+                        "--batch-sizes", "8", "--service-batch-sizes", "8", "16", "--service-processes", "2",
+                        "--no-tests", "--budget-s", "0"])
+    (folder,) = out.iterdir()
+    results = json.loads((folder / "gpu-check.json").read_text())
+    (report,) = results["models"]
+    assert results["complete"] is False and not (folder / "gpu-check.md").exists()
+    assert set(report["service"]) == {"1", "4"} and report["service"]["4"]["errors"] == 0
+    assert report["skipped"] == [{"max_batch_size": 8, "mode": "wide", "processes": 1},
+                                 {"max_batch_size": 16, "mode": "default", "processes": 1},
+                                 {"max_batch_size": 8, "mode": "default", "processes": 2}]
+    assert "service_wide" not in report and "service_processes" not in report and "pytorch" not in report
+    report |= {"pytorch": {"precision": "fp32", "batches": {}}, "target": {}}
+    assert "Not run, past `--budget-s`: the service wide, 8 rows per batch; the service default, 16 rows per " \
+           "batch; the service default, 8 rows per batch, 2 server processes." in gpu_check.markdown(results)
 
 
 def test_the_lone_path_is_timed_with_and_without_the_slots_encoder(tiny_model_repository: Path) -> None:
