@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -49,19 +49,21 @@ def summarise(latencies_s: Sequence[float], target_tokens: int, elapsed_s: float
 
 
 @contextlib.contextmanager
-def timed_calls(owners: Sequence[Any], method: str) -> Iterator[list[float]]:
+def timed_calls(owners: Sequence[Any], method: str,
+                clock: Callable[[], float] = time.perf_counter) -> Iterator[list[float]]:
     """Time every call of `method` on each of `owners` while the block runs: yields a one-item
-    list that holds the seconds summed over those calls. Each owner's method is wrapped as an
+    list that holds the seconds summed over those calls (by `clock`: wall time, or e.g.
+    `time.thread_time` for the calling thread's CPU). Each owner's method is wrapped as an
     attribute of the instance, which is deleted afterwards (the class's method again)."""
     seconds = [0.0]
 
     def wrapped(run: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started = clock()
             try:
                 return run(*args, **kwargs)
             finally:
-                seconds[0] += time.perf_counter() - started
+                seconds[0] += clock() - started
         return timed
 
     for owner in owners:
