@@ -270,6 +270,10 @@ def _register_update_step_graphs(subcommands: argparse._SubParsersAction) -> Non
         "the graph's weights.bin); on failure the repository is left unchanged.",
     )
     p.add_argument("--model-dir", required=True, help="model repository, e.g. models/translate-en-it")
+    p.add_argument("--pack-float-projections", action="store_true",
+                   help="also give the fp32 and fp16 step graphs each self-attention's query, key and value as "
+                   "one packed product (the graph alone; not applied by the export: bench.static_step measures "
+                   "it on a GPU)")
     p.set_defaults(func=_update_step_graphs)
 
 
@@ -278,7 +282,7 @@ def _update_step_graphs(args: argparse.Namespace) -> int:
     from service.repository.manifest import ManifestError
 
     try:
-        changed = update_step_graphs(args.model_dir)
+        changed = update_step_graphs(args.model_dir, float_projections=args.pack_float_projections)
     except (ManifestError, RuntimeError, OSError) as error:
         logger.error("cannot update the step graphs of %s: %s", args.model_dir, error)
         return 2

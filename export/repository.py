@@ -18,7 +18,7 @@ from typing import Any
 import onnx
 import torch
 
-from export.fused_projections import fuse_shared_projections
+from export.fused_projections import fuse_float_projections, fuse_shared_projections
 from export.kv_cache import last_source_inputs
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
 from export.parity import check_parity, parity_sources, step_agreement
@@ -358,15 +358,16 @@ def restored_on_failure(directory: Path, names: Iterable[str]) -> Iterator[None]
         raise
 
 
-def update_step_graphs(directory: str | Path) -> list[str]:
+def update_step_graphs(directory: str | Path, float_projections: bool = False) -> list[str]:
     """Give the step graphs of the repository `directory` (`step_graph_files`) this exporter's
     graph passes (`share_input_shapes`, `select_before_projection`, for an int8 cache
-    `kv_cache.last_source_inputs`, and for int8 graphs `fused_projections.fuse_shared_projections`),
-    in place: the graphs' nodes (and inputs) change; a fused weight is appended to the graph's
-    `weights.bin`, whose other weights stay where they are. Each changed graph must give the old
-    one's outputs exactly on random inputs (`_same_outputs`); the manifest then lists the new
-    sha256s. Returns the graph files changed (none when they have the passes already); on any
-    failure the repository is left as it was."""
+    `kv_cache.last_source_inputs`, and for int8 graphs `fused_projections.fuse_shared_projections`;
+    with `float_projections` also `fused_projections.fuse_float_projections` for the float
+    graphs, a pass the export does not apply), in place: the graphs' nodes (and inputs) change; a
+    fused int8 weight is appended to the graph's `weights.bin`, whose other weights stay where
+    they are. Each changed graph must give the old one's outputs exactly on random inputs
+    (`_same_outputs`); the manifest then lists the new sha256s. Returns the graph files changed
+    (none when they have the passes already); on any failure the repository is left as it was."""
     from onnx.external_data_helper import load_external_data_for_model
 
     directory = Path(directory)
@@ -382,15 +383,18 @@ def update_step_graphs(directory: str | Path) -> list[str]:
             graph = onnx.load_model(str(path), load_external_data=False)
             changed = share_input_shapes(graph) + select_before_projection(graph) + last_source_inputs(graph)
             fused = 0
-            if any(node.op_type == "MatMulInteger" for node in graph.graph.node):  # int8: its weights are read
+            integer = any(node.op_type == "MatMulInteger" for node in graph.graph.node)
+            if integer:  # int8: its weights are read
                 with_weights = onnx.ModelProto()
                 with_weights.CopyFrom(graph)
                 load_external_data_for_model(with_weights, str(path.parent))
                 fused = fuse_shared_projections(with_weights)
+            elif float_projections:  # the graph alone: Concat nodes over the weights' casts
+                fused = fuse_float_projections(graph)
             if not changed + fused:
                 continue
             originals[name] = path.read_bytes()
-            if fused:
+            if fused and integer:
                 add_graphs(path.parent, {path.name: with_weights})
             else:
                 onnx.save_model(graph, str(path))

@@ -178,3 +178,32 @@ def test_a_float_step_graphs_self_attentions_take_one_packed_product(tiny_model_
     merged = load_graph(tiny_model_repository / "decoder.onnx")
     before = merged.SerializeToString()
     assert fuse_float_projections(merged) == 0 and merged.SerializeToString() == before
+
+
+def test_update_step_graphs_packs_the_float_graphs_only_when_asked(tiny_model_repository: Path,
+                                                                    tmp_path: Path, capsys) -> None:
+    """`update-step-graphs --pack-float-projections` gives the fp32 step graph packed projections
+    (the graph file alone changes: no weights are written; its outputs exact on random inputs, the
+    same tokens in a running batch); without the flag the float graphs stay as they are."""
+    from attnserve.cli import main
+
+    copy = tmp_path / tiny_model_repository.name
+    shutil.copytree(tiny_model_repository, copy)
+    assert update_step_graphs(copy) == []  # the export's passes only: nothing to do
+    step = read_manifest(copy).variants["fp32"].step_decoder
+    contents = {p.relative_to(copy).as_posix(): p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    sources = [[5, 6, 7, 3], [8, 9, 10, 11, 12, 3], [13, 3]]
+    runtime = ModelRuntime.load(copy, [CPU], threads=1, variant="fp32")
+    before = [result.tokens for _, result in generate_running(runtime, list(enumerate(sources)), rows=4)]
+    assert main(["update-step-graphs", "--model-dir", str(copy), "--pack-float-projections"]) == 0
+    assert json.loads(capsys.readouterr().out)["updated"] == [step]
+    verify_files(copy, read_manifest(copy))
+    after = {p.relative_to(copy).as_posix(): p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    assert {name for name in after if after[name] != contents.get(name)} == {step, "manifest.json"}
+    graph = onnx.load_model(str(copy / step), load_external_data=False)
+    attention = [node for node in graph.graph.node if node.op_type == "GroupQueryAttention"]
+    layers = read_manifest(copy).config.n_decoder_layers
+    assert sum(node.input[1] == node.input[2] == "" for node in attention) == layers  # the self-attentions
+    runtime = ModelRuntime.load(copy, [CPU], threads=1, variant="fp32")
+    assert [result.tokens for _, result in generate_running(runtime, list(enumerate(sources)), rows=4)] == before
+    assert update_step_graphs(copy, float_projections=True) == []  # a second run has nothing to do
