@@ -79,25 +79,14 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     the Python between two calls); the counts of joins, copies, departures and steps."""
     batch = make_batch(runtime)
     step_session = getattr(runtime, "step", None)
-    timed = {"copy": [0.0, 0], "leave": [0.0, 0]}
-
-    def timing(key: str, method: Callable[..., None]) -> Callable[..., None]:
-        def run(*args: Any) -> None:
-            started = time.perf_counter()
-            method(*args)
-            timed[key][0] += time.perf_counter() - started
-            timed[key][1] += 1
-        return run
-
-    name = "_rebuild" if hasattr(batch, "_rebuild") else "_resize"
-    setattr(batch, name, timing("copy", getattr(batch, name)))
-    if hasattr(batch, "_remove"):
-        batch._remove = timing("leave", batch._remove)
+    copy_method = "_rebuild" if hasattr(batch, "_rebuild") else "_resize"
     joins = steps = 0.0
     count = groups = 0
     index = 0
     begun = time.perf_counter()
-    with timed_calls([step_session] if step_session is not None else [], "run_with_iobinding") as in_runtime:
+    with (timed_calls([batch], copy_method) as copies,
+          timed_calls([batch] if hasattr(batch, "_remove") else [], "_remove") as leaves,
+          timed_calls([step_session] if step_session is not None else [], "run_with_iobinding") as in_runtime):
         while index < len(sources) or len(batch):
             if index < len(sources) and len(batch) < rows:  # at most `group`, never past `rows` (as admission)
                 newcomers = sources[index:index + min(group, rows - len(batch))]
@@ -112,8 +101,8 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
             steps += time.perf_counter() - started
             count += 1
         total = time.perf_counter() - begun
-    return {"join_s": joins, "joins": groups, "copy_s": timed["copy"][0], "copies": timed["copy"][1], "step_s": steps,
-            "step_runtime_s": in_runtime[0], "leave_s": timed["leave"][0], "leaves": timed["leave"][1], "steps": count,
+    return {"join_s": joins, "joins": groups, "copy_s": copies[0], "copies": int(copies[1]), "step_s": steps,
+            "step_runtime_s": in_runtime[0], "leave_s": leaves[0], "leaves": int(leaves[1]), "steps": count,
             "total_s": total}
 
 

@@ -51,11 +51,11 @@ def summarise(latencies_s: Sequence[float], target_tokens: int, elapsed_s: float
 @contextlib.contextmanager
 def timed_calls(owners: Sequence[Any], method: str,
                 clock: Callable[[], float] = time.perf_counter) -> Iterator[list[float]]:
-    """Time every call of `method` on each of `owners` while the block runs: yields a one-item
-    list that holds the seconds summed over those calls (by `clock`: wall time, or e.g.
-    `time.thread_time` for the calling thread's CPU). Each owner's method is wrapped as an
-    attribute of the instance, which is deleted afterwards (the class's method again)."""
-    seconds = [0.0]
+    """Time every call of `method` on each of `owners` while the block runs: yields a list of
+    the seconds summed over those calls (by `clock`: wall time, or e.g. `time.thread_time` for
+    the calling thread's CPU) and their count. Each owner's method is wrapped as an attribute of
+    the instance, which is deleted afterwards (the class's method again)."""
+    seconds: list[float] = [0.0, 0]
 
     def wrapped(run: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -64,6 +64,7 @@ def timed_calls(owners: Sequence[Any], method: str,
                 return run(*args, **kwargs)
             finally:
                 seconds[0] += clock() - started
+                seconds[1] += 1
         return timed
 
     for owner in owners:

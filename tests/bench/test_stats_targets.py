@@ -76,7 +76,7 @@ def test_evaluate_reads_the_harness_layout() -> None:
     assert by_name["continuous_p95"].status == "met"  # 40% lower: at least the 30% asked
 
 
-def test_timed_calls_sums_the_seconds_in_a_method_and_gives_the_class_its_method_back() -> None:
+def test_timed_calls_sums_the_seconds_and_counts_the_calls_and_gives_the_class_its_method_back() -> None:
     import time
 
     class Worker:
@@ -87,7 +87,7 @@ def test_timed_calls_sums_the_seconds_in_a_method_and_gives_the_class_its_method
     a, b = Worker(), Worker()
     with timed_calls([a, b], "work") as seconds:
         assert a.work(0.01) == 0.01 and b.work(0.02) == 0.02
-    assert 0.03 <= seconds[0] < 1.0
+    assert 0.03 <= seconds[0] < 1.0 and seconds[1] == 2
     assert "work" not in vars(a) and "work" not in vars(b)  # the class's method again
     counted = seconds[0]
     a.work(0.01)
