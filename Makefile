@@ -53,11 +53,11 @@ gpu-check: $(if $(filter 1,$(OFFLINE)),,venv-dev)
 	$(if $(filter 1,$(OFFLINE)),python3,$(BIN)/python) -m bench.gpu_check --out bench/results/gpu $(GPU_CHECK_ARGS)
 
 # What a GPU host without network lacks for `make gpu-check OFFLINE=1` (CPython 3.12, x86-64), in
-# $(WHEELS): onnxruntime-gpu in parts of PART_MB MiB, the serving stack, attnserve's own wheel.
+# $(WHEELS): onnxruntime-gpu xz-compressed in parts of PART_MB MiB, the serving stack, attnserve's own wheel.
 # bench/GPU_OFFLINE.md is the procedure.
 WHEELS  ?= .whl
 ORT_GPU ?= onnxruntime-gpu==1.31.1
-PART_MB ?= 50
+PART_MB ?= 60
 PLATFORMS = --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 gpu-wheels: venv-dev
@@ -66,7 +66,7 @@ gpu-wheels: venv-dev
 		-d $(WHEELS) '$(ORT_GPU)' fastapi 'uvicorn[standard]' pydantic pydantic-settings \
 		prometheus-client sentencepiece sentencex ctranslate2
 	$(BIN)/python -m build -q --wheel --outdir $(WHEELS) .
-	$(BIN)/python bench/gpu_offline.py split $(WHEELS)/onnxruntime_gpu-*.whl --max-mb $(PART_MB) --remove
+	$(BIN)/python bench/gpu_offline.py split $(WHEELS)/onnxruntime_gpu-*.whl --max-mb $(PART_MB) --xz --remove
 
 # A fresh clone of HEAD: `make serve` there, every README example against it, the wheel.
 test-newcomer: venv-dev

@@ -3,12 +3,15 @@
 Standard library only, so it runs on the bare host:
 
     python3 bench/gpu_offline.py split FILE --max-mb 60 --out DIR   # FILE.part000..., FILE.parts.json
+    python3 bench/gpu_offline.py split FILE --max-mb 60 --xz        # the parts cut from FILE xz-compressed
     python3 bench/gpu_offline.py join DIR/FILE.parts.json --out DIR  # checks every sha256
     python3 bench/gpu_offline.py install DIR --target SITE           # joins, then pip --no-index
 
-A file is split into parts of at most `--max-mb` MiB; the `.parts.json` manifest records the
-whole file's size and sha256 and each part's, and `join` refuses a missing, short or altered
-part. `install` joins every split wheel of the folder, then installs into `--target` each wheel
+A file is split into parts of at most `--max-mb` MiB; with `--xz` the parts are cut from the
+file compressed by xz (`lzma`, preset 6: onnxruntime-gpu's wheel, already a zip, comes out
+about a seventh smaller, one transfer fewer), and `join` decompresses them. The `.parts.json`
+manifest records the whole file's size and sha256, each part's, and the compression, and
+`join` refuses a missing, short or altered part. `install` joins every split wheel of the folder, then installs into `--target` each wheel
 whose distribution the host lacks (the host's own packages, e.g. torch's numpy, stay in use;
 `--all` installs every wheel), and prints the PYTHONPATH line that puts the target first.
 """
@@ -21,8 +24,10 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 MANIFEST_SUFFIX = ".parts.json"
 CHUNK = 1 << 20
@@ -40,46 +45,83 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def split(path: Path, max_mb: float, out: Path) -> Path:
-    """Cut `path` into parts of at most `max_mb` MiB in `out`; returns the manifest's path."""
+def _lzma() -> Any:
+    """Python's `lzma` module, or PartError where this Python was built without it."""
+    try:
+        import lzma
+    except ImportError as error:
+        raise PartError(f"this Python has no lzma module ({error}): split the file without --xz") from None
+    return lzma
+
+
+def _compressed(path: Path) -> Iterator[bytes]:
+    """The bytes of `path` compressed by xz, in pieces."""
+    compressor = _lzma().LZMACompressor(preset=6)
+    with path.open("rb") as source:
+        while block := source.read(CHUNK):
+            yield compressor.compress(block)
+    yield compressor.flush()
+
+
+def _plain(path: Path) -> Iterator[bytes]:
+    with path.open("rb") as source:
+        while block := source.read(CHUNK):
+            yield block
+
+
+def split(path: Path, max_mb: float, out: Path, xz: bool = False) -> Path:
+    """Cut `path` (with `xz`, its xz-compressed bytes) into parts of at most `max_mb` MiB in
+    `out`; returns the manifest's path."""
     limit = int(max_mb * (1 << 20))
     if limit < 1:
         raise ValueError("max_mb must allow at least one byte per part")
     out.mkdir(parents=True, exist_ok=True)
-    parts = []
-    with path.open("rb") as source:
-        index = 0
-        while block := source.read(limit):
-            part = out / f"{path.name}.part{index:03d}"
-            part.write_bytes(block)
-            parts.append({"file": part.name, "size": len(block), "sha256": hashlib.sha256(block).hexdigest()})
-            index += 1
+    parts: list[dict[str, object]] = []
+    pending = bytearray()
+
+    def write(block: bytes) -> None:
+        part = out / f"{path.name}.part{len(parts):03d}"
+        part.write_bytes(block)
+        parts.append({"file": part.name, "size": len(block), "sha256": hashlib.sha256(block).hexdigest()})
+
+    for piece in (_compressed if xz else _plain)(path):
+        pending += piece
+        while len(pending) >= limit:
+            write(bytes(pending[:limit]))
+            del pending[:limit]
+    if pending:
+        write(bytes(pending))
     manifest = out / f"{path.name}{MANIFEST_SUFFIX}"
     manifest.write_text(json.dumps({"name": path.name, "size": path.stat().st_size, "sha256": sha256(path),
-                                    "parts": parts}, indent=2) + "\n")
+                                    "compression": "xz" if xz else None, "parts": parts}, indent=2) + "\n")
     return manifest
 
 
 def join(manifest_path: Path, out: Path) -> Path:
-    """Reassemble the file a manifest describes into `out`; raises PartError unless every part
-    and the whole file match their sha256."""
+    """Reassemble the file a manifest describes into `out` (decompressing parts cut with `xz`);
+    raises PartError unless every part and the whole file match their sha256."""
     manifest = json.loads(manifest_path.read_text())
     folder = manifest_path.parent
     out.mkdir(parents=True, exist_ok=True)
     target = out / manifest["name"]
     digest = hashlib.sha256()
     partial = target.with_name(target.name + ".joining")
+    decompressor = _lzma().LZMADecompressor() if manifest.get("compression") == "xz" else None
     with partial.open("wb") as whole:
         for part in manifest["parts"]:
             path = folder / part["file"]
             if not path.is_file():
+                partial.unlink()
                 raise PartError(f"{part['file']}: missing")
             data = path.read_bytes()
             if len(data) != part["size"] or hashlib.sha256(data).hexdigest() != part["sha256"]:
+                partial.unlink()
                 raise PartError(f"{part['file']}: its bytes differ from {manifest_path.name}")
+            if decompressor is not None:
+                data = decompressor.decompress(data)
             whole.write(data)
             digest.update(data)
-    if digest.hexdigest() != manifest["sha256"]:
+    if digest.hexdigest() != manifest["sha256"] or (decompressor is not None and not decompressor.eof):
         partial.unlink()
         raise PartError(f"{manifest['name']}: the joined file's sha256 differs from {manifest_path.name}")
     partial.replace(target)
@@ -120,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-mb", type=float, default=60.0)
     p.add_argument("--out", type=Path, default=None, help="folder of the parts (default: the file's)")
     p.add_argument("--remove", action="store_true", help="delete the file once split")
+    p.add_argument("--xz", action="store_true", help="cut the parts from the file compressed by xz")
     p = commands.add_parser("join", help="reassemble and check a split file")
     p.add_argument("manifest", type=Path)
     p.add_argument("--out", type=Path, default=None, help="folder of the file (default: the manifest's)")
@@ -130,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "split":
-            manifest = split(args.file, args.max_mb, args.out or args.file.parent)
+            manifest = split(args.file, args.max_mb, args.out or args.file.parent, xz=args.xz)
             if args.remove:
                 args.file.unlink()
             print(manifest)

@@ -31,6 +31,29 @@ def test_split_and_join_give_back_the_same_bytes(tmp_path: Path) -> None:
     assert joined.read_bytes() == original.read_bytes()
 
 
+def test_xz_parts_are_cut_from_the_compressed_file_and_joined_back(tmp_path: Path) -> None:
+    """With `xz` the parts hold the file's xz-compressed bytes (fewer of them for a compressible
+    file); `join` gives back the file itself, and an altered part is refused as without it."""
+    original = tmp_path / "big.whl"
+    original.write_bytes(os.urandom(1 << 20) + bytes(4 << 20))  # 1 MiB of noise, 4 MiB of zeros
+    manifest = gpu_offline.split(original, 0.5, tmp_path / "parts", xz=True)
+    recorded = json.loads(manifest.read_text())
+    assert recorded["compression"] == "xz" and recorded["size"] == 5 << 20
+    assert 2 <= len(recorded["parts"]) <= 3  # about 1 MiB compressed, against 10 parts uncompressed
+    assert all(p["size"] == 1 << 19 for p in recorded["parts"][:-1])
+    joined = gpu_offline.join(manifest, tmp_path / "out")
+    assert joined.read_bytes() == original.read_bytes()
+    assert json.loads(gpu_offline.split(original, 0.5, tmp_path / "plain").read_text())["compression"] is None
+    first = tmp_path / "parts" / recorded["parts"][0]["file"]
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 1
+    first.write_bytes(bytes(data))
+    joined.unlink()
+    with pytest.raises(gpu_offline.PartError, match="big.whl.part000: its bytes differ"):
+        gpu_offline.join(manifest, tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []  # nothing half-joined left behind
+
+
 def test_a_missing_or_altered_part_is_refused(tmp_path: Path) -> None:
     manifest = gpu_offline.split(_file(tmp_path / "x.whl", 3000), 0.001, tmp_path / "parts")
     parts = sorted((tmp_path / "parts").glob("x.whl.part*"))
