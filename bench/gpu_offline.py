@@ -8,8 +8,7 @@ Standard library only, so it runs on the bare host:
     python3 bench/gpu_offline.py install DIR --target SITE           # joins, then pip --no-index
 
 A file is split into parts of at most `--max-mb` MiB; with `--xz` the parts are cut from the
-file compressed by xz (`lzma`, preset 6: onnxruntime-gpu's wheel, already a zip, comes out
-about a seventh smaller, one transfer fewer), and `join` decompresses them. The `.parts.json`
+file compressed by xz (`lzma`, preset 6), and `join` decompresses them. The `.parts.json`
 manifest records the whole file's size and sha256, each part's, and the compression, and
 `join` refuses a missing, short or altered part. `install` joins every split wheel of the folder, then installs into `--target` each wheel
 whose distribution the host lacks (the host's own packages, e.g. torch's numpy, stay in use;
