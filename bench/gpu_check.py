@@ -330,9 +330,9 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     report["memory_after_in_process"] = gpu()
 
     providers = [provider] if provider == CPU else [provider, CPU]
-    wide = max(batch_sizes) if max(batch_sizes) > max(concurrency) else None
-    for index, (rows, mode, processes) in enumerate(service_runs(provider, concurrency, batch_sizes,
-                                                                  service_batch_sizes, service_processes)):
+    runs = service_runs(provider, concurrency, batch_sizes, service_batch_sizes, service_processes)
+    wide = next((rows for rows, mode, _ in runs if mode == "wide"), None)
+    for index, (rows, mode, processes) in enumerate(runs):
         if index and deadline is not None and time.monotonic() > deadline:
             report.setdefault("skipped", []).append({"max_batch_size": rows, "mode": mode, "processes": processes})
             save()

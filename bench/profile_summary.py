@@ -17,9 +17,10 @@ time is spent, not under which call).
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from pathlib import Path
+
+from bench.report import emit_json
 
 # what the report lists: the batch workers' stepping, the model calls, the slot bookkeeping,
 # and the event loop's request handling
@@ -109,11 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         report["self_share"] = self_shares(lines, args.thread)
     elif threads := thread_shares(lines):
         report["thread_share"] = threads
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit_json(report, args.out)
     return 0
 
 

@@ -32,6 +32,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from bench import machine
+from bench.report import emit_json
 from bench.stats import timed_calls
 
 Scope = MutableMapping[str, Any]
@@ -176,11 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokenizer_alone_ms_per_request": tokenizer_alone(args.models / args.model, texts),
         "runs": runs,
     }
-    text = json.dumps(report, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
-    print(text)
+    emit_json(report, args.out)
     return 0
 
 

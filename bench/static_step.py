@@ -27,7 +27,6 @@ difference from it while they agree. `make gpu-check` runs it beside
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from bench.report import emit_json
 from bench.step_variants import fuse_skip_layer_norms
 from export.fused_projections import fuse_float_projections
 from export.storage import load_graph
@@ -203,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": "python -m bench.static_step " + shlex.join(sys.argv[1:] if argv is None else argv),
               "model": manifest.name, "provider": runtime.provider, "variant": runtime.variant,
               **measure(args.model, runtime, work.source_ids)}
-    text = json.dumps(report, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n", encoding="utf-8")
-    print(text)
+    emit_json(report, args.out)
     return 0
 
 

@@ -96,13 +96,7 @@ def fuse_shared_projections(graph: onnx.ModelProto, split: bool = False) -> int:
     of groups fused."""
     body = graph.graph
     constants = {t.name: numpy_helper.to_array(t) for t in body.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    producer: dict[str, onnx.NodeProto] = {}
-    for node in body.node:
-        for name in node.input:
-            consumers[name].append(node)
-        for name in node.output:
-            producer[name] = node
+    consumers, producer = _edges(body)
     graph_outputs = {o.name for o in body.output}
     fused = 0
     for quantize in [n for n in body.node if n.op_type == "DynamicQuantizeLinear"]:
@@ -162,13 +156,7 @@ def fuse_float_projections(graph: onnx.ModelProto) -> int:
     the weights and biases constant: initializers or casts of initializers) into one product that
     the kernel takes packed (module doc). Returns the number of self-attentions packed."""
     body = graph.graph
-    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    producer: dict[str, onnx.NodeProto] = {}
-    for node in body.node:
-        for name in node.input:
-            consumers[name].append(node)
-        for name in node.output:
-            producer[name] = node
+    consumers, producer = _edges(body)
     shapes = {t.name: tuple(t.dims) for t in body.initializer}
     graph_outputs = {o.name for o in body.output}
     fused = 0
@@ -258,6 +246,18 @@ def _constant_shape(name: str, producer: dict[str, onnx.NodeProto],
     elif node is not None:
         return None
     return shapes.get(name)
+
+
+def _edges(body: onnx.GraphProto) -> tuple[dict[str, list[onnx.NodeProto]], dict[str, onnx.NodeProto]]:
+    """The nodes reading each value of `body` and the node writing each."""
+    consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    producer: dict[str, onnx.NodeProto] = {}
+    for node in body.node:
+        for name in node.input:
+            consumers[name].append(node)
+        for name in node.output:
+            producer[name] = node
+    return consumers, producer
 
 
 def _sort_topologically(body: onnx.GraphProto) -> None:
