@@ -16,7 +16,9 @@ ordinary device slots (`resized`) when other rows join. A runtime has one (its C
 their addresses): a batch `take`s it and gives it back. The encoder at one row and the source
 width fixed (`attach_encoder`; a CUDA graph on CUDA too) writes the row's cross keys/values
 straight into the slot's buffers (`encode`): the row's source, padded to the width, costs one
-replay and no copy.
+replay and no copy. An encoder whose cross outputs are of another float type than the buffers
+(the fp16 graphs keep float32 inputs and outputs; the fp16 step graph's cache is float16) writes
+into buffers of its own type at fixed addresses, cast into the slot's by one pad-graph call.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from service.runtime.tensors import EncoderState, Tensor
 
 if TYPE_CHECKING:
     from service.runtime.model_runtime import ModelRuntime
+
+# the encoder outputs `attach_encoder` takes: float tensors, cast on the device where not the slot's type
+FLOAT_TYPES = (onnx_proto.FLOAT, onnx_proto.FLOAT16, onnx_proto.DOUBLE)
 
 
 def fixed_dimensions(max_target_len: int, max_source_len: int) -> dict[str, int]:
@@ -95,6 +100,7 @@ class LoneSlots(DeviceSlots):
         super().__init__(graphs, layers, 1, heads, capacity, head_dim, width, cache_type, cross_type)
         self.session = session
         self.encoder: ort.InferenceSession | None = None  # `attach_encoder`
+        self._encoded: list[ort.OrtValue] | None = None  # the encoder's own outputs, when cast
         self._lock = threading.Lock()
         value = self._value
         # the next token and its position in one buffer, rows 0 and 1: one copy to the device a step
@@ -125,19 +131,25 @@ class LoneSlots(DeviceSlots):
 
     def attach_encoder(self, session: ort.InferenceSession, pad_id: int) -> None:
         """Bind `session` (the encoder graph at one row and source width `width`) once: its ids
-        (padded with `pad_id`) and, as its outputs, this slot's cross buffers. Raises ValueError
-        when the encoder's cross keys/values are not of the buffers' type."""
+        (padded with `pad_id`) and, as its outputs, this slot's cross buffers, or, where an
+        output is of another float type, a buffer of that type cast into the slot's at each
+        `encode`. Raises ValueError when a cross output is not a float tensor of the slot's shape."""
         names = graph_io.cross_names(self.layers)
-        types = {o.name: o.type for o in session.get_outputs()}
-        if any(ELEMENT_TYPES.get(types.get(name, "")) != buffer.element_type()
-               for name, buffer in zip(names, self.cross, strict=True)):
-            raise ValueError(f"the encoder's cross outputs are {sorted({types.get(n, '-') for n in names})}, "
-                             "not of the slot's buffers' type")
+        outputs = {o.name: o for o in session.get_outputs()}
+        encoded: list[ort.OrtValue] = []
+        for name, buffer in zip(names, self.cross, strict=True):
+            output = outputs.get(name)
+            element_type = ELEMENT_TYPES.get(output.type) if output is not None else None
+            if output is None or element_type not in FLOAT_TYPES or list(output.shape) != buffer.shape():
+                raise ValueError(f"the encoder's {name} is {output.type if output else 'missing'} of shape "
+                                 f"{output.shape if output else '-'}, not a float tensor of shape {buffer.shape()}")
+            encoded.append(buffer if element_type == buffer.element_type() else ort.OrtValue.ortvalue_from_shape_and_type(
+                buffer.shape(), onnx_proto.NUMPY_TYPES[element_type].type, self.graphs.device, self.graphs.device_id))
         self._pad_id = pad_id
         self._ids = self._value(np.full((1, self.width), pad_id, dtype=np.int64))
         binding = session.io_binding()
         binding.bind_ortvalue_input("input_ids", self._ids)
-        for name, buffer in zip(names, self.cross, strict=True):
+        for name, buffer in zip(names, encoded, strict=True):
             binding.bind_ortvalue_output(name, buffer)
         # the other outputs (the encoder's attention weights) at fixed addresses too, never read:
         # a captured CUDA graph writes where it wrote at the capture
@@ -149,6 +161,7 @@ class LoneSlots(DeviceSlots):
                     self.graphs.device_id)
                 binding.bind_ortvalue_output(output.name, scratch)
                 self._unread.append(scratch)
+        self._encoded = encoded if any(a is not b for a, b in zip(encoded, self.cross, strict=True)) else None
         self.encoder, self._encoder_binding = session, binding
 
     def encodes(self, sources: Sequence[list[int]]) -> bool:
@@ -165,6 +178,8 @@ class LoneSlots(DeviceSlots):
         ids[0, :len(sources[0])] = sources[0]
         self._ids.update_inplace(ids)
         self.encoder.run_with_iobinding(self._encoder_binding)
+        if self._encoded is not None:  # outputs of another float type: cast into the slot's buffers
+            self._pad(self._encoded, self.cross, 1, self.width)
         return EncoderState(source_mask=ids != self._pad_id, cross_keys=list(self.cross[0::2]),
                             cross_values=list(self.cross[1::2]))
 

@@ -10,7 +10,7 @@ import pytest
 
 from service.batching.slot_batch import SlotBatch
 from service.generation.search import GenerationResult, generate
-from service.runtime import CPU, ModelRuntime
+from service.runtime import CPU, ModelRuntime, onnx_proto
 from service.runtime.device_slots import DeviceSlots
 from service.runtime.lone_slots import LoneSlots
 from tests.service.batching.test_device_slots import _cuda_available, _limits, _schedule
@@ -193,6 +193,34 @@ def test_a_lone_rows_source_is_encoded_straight_into_the_slot(lone: ModelRuntime
     _drain(batch)
     assert slots.encodes([source]) and not slots.encodes([source, source])
     assert not slots.encodes([[lone.eos_id] * (slots.width + 1)])  # wider than the slot: the batch encoder
+
+
+def test_an_fp16_lone_slot_casts_its_encoders_float32_outputs(tiny_fp16_repository, sources) -> None:
+    """The fp16 graphs keep float32 outputs and the fp16 step graph's cache is float16: the lone
+    encoder writes into float32 buffers of its own, cast into the slot's by one call, and a lone
+    row decodes what it decodes in ordinary device slots."""
+    runtime = ModelRuntime.load(tiny_fp16_repository, [CPU], threads=1, variant="fp16", step_graph=True,
+                                io_binding=True, lone_step=True)
+    slots = runtime.lone
+    assert slots is not None and slots.encoder is not None and slots._encoded is not None
+    assert slots.cross[0].element_type() == onnx_proto.FLOAT16 and slots._encoded[0].element_type() == onnx_proto.FLOAT
+    source = max(sources, key=len)
+    expected = runtime.encode(runtime.pad([source]))
+    batch: SlotBatch[int] = SlotBatch(runtime, rows=4, keep_bytes=0, on_device=True)
+    batch.concatenate([source], [0], [LIMIT])
+    assert batch._slots is slots
+    for buffer, tensor in zip(slots.cross, [t for pair in zip(expected.cross_keys, expected.cross_values) for t in pair],
+                              strict=True):
+        wanted = tensor.numpy() if hasattr(tensor, "numpy") else tensor
+        assert np.allclose(buffer.numpy()[:, :, :len(source)].astype(np.float32), wanted, rtol=1e-2, atol=1e-2)
+    got = _drain(batch)[0]
+    assert slots.take()  # held: this batch steps its lone row in its own device slots
+    plain: SlotBatch[int] = SlotBatch(runtime, rows=4, keep_bytes=0, on_device=True)
+    plain.concatenate([source], [0], [LIMIT])
+    assert plain._slots is not slots
+    expected_row = _drain(plain)[0]
+    slots.give_back()
+    assert (got.tokens, got.finish_reason) == (expected_row.tokens, expected_row.finish_reason)
 
 
 def test_a_lone_encoder_that_cannot_be_made_leaves_the_slot_copying(tiny_model_repository, tiny_runtime, monkeypatch,
