@@ -6,6 +6,7 @@ Standard library only, so it runs on the bare host:
     python3 bench/gpu_offline.py split FILE --max-mb 60 --xz        # the parts cut from FILE xz-compressed
     python3 bench/gpu_offline.py join DIR/FILE.parts.json --out DIR  # checks every sha256
     python3 bench/gpu_offline.py install DIR --target SITE           # joins, then pip --no-index
+    python3 bench/gpu_offline.py bundle .whl models --max-mb 61 --out DIR   # DIR/00, DIR/01, ...
 
 A file is split into parts of at most `--max-mb` MiB; with `--xz` the parts are cut from the
 file compressed by xz (`lzma`, preset 6), and `join` decompresses them. The `.parts.json`
@@ -13,6 +14,10 @@ manifest records the whole file's size and sha256, each part's, and the compress
 `join` refuses a missing, short or altered part. `install` joins every split wheel of the folder, then installs into `--target` each wheel
 whose distribution the host lacks (the host's own packages, e.g. torch's numpy, stay in use;
 `--all` installs every wheel), and prints the PYTHONPATH line that puts the target first.
+`bundle` sorts the files under the paths given into numbered folders of at most `--max-mb` MiB
+each (largest first, each into the first folder it fits), every file at its own relative path:
+one folder a transfer, and copying every folder's contents into the checkout on the host puts
+each file back where it was.
 """
 
 from __future__ import annotations
@@ -153,6 +158,38 @@ def install(folder: Path, target: Path, every: bool = False) -> list[Path]:
     return wheels
 
 
+def bundle(paths: list[Path], max_mb: float, out: Path) -> list[Path]:
+    """Hard-link (or copy) the files under `paths` (relative to the working directory) into
+    folders `out`/00, `out`/01, ... of at most `max_mb` MiB each, largest first, each file into the
+    first folder with room, at its own relative path; returns the folders. Raises PartError for a
+    file larger than `max_mb` (split it first) or a path outside the working directory."""
+    limit = int(max_mb * (1 << 20))
+    files = sorted((f for p in paths for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()),
+                   key=lambda f: -f.stat().st_size)
+    sizes: list[int] = []
+    places: list[tuple[Path, int]] = []
+    for file in files:
+        if file.is_absolute() or ".." in file.parts:
+            raise PartError(f"{file}: give paths relative to the checkout")
+        size = file.stat().st_size
+        if size > limit:
+            raise PartError(f"{file}: {size} bytes, over {max_mb} MiB (split it first)")
+        folder = next((i for i, used in enumerate(sizes) if used + size <= limit), len(sizes))
+        if folder == len(sizes):
+            sizes.append(0)
+        sizes[folder] += size
+        places.append((file, folder))
+    folders = [out / f"{i:02d}" for i in range(len(sizes))]
+    for file, folder in places:
+        target = folders[folder] / file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            target.hardlink_to(file)
+        except OSError:
+            target.write_bytes(file.read_bytes())
+    return folders
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_offline.py", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -169,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folder", type=Path)
     p.add_argument("--target", type=Path, required=True)
     p.add_argument("--all", action="store_true", help="install every wheel, also those the host has")
+    p = commands.add_parser("bundle", help="sort files into folders of at most --max-mb MiB, one a transfer")
+    p.add_argument("paths", type=Path, nargs="+")
+    p.add_argument("--max-mb", type=float, default=60.0)
+    p.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "split":
@@ -176,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.remove:
                 args.file.unlink()
             print(manifest)
+        elif args.command == "bundle":
+            for folder in bundle(args.paths, args.max_mb, args.out):
+                print(folder, sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()))
         elif args.command == "join":
             print(join(args.manifest, args.out or args.manifest.parent))
         else:

@@ -6,15 +6,17 @@ width, the step graph's dimensions fixed, on CUDA replayed as a CUDA graph). Thi
 that buys, on the same lone slot.
 
 `measure` decodes the same sources greedily, each on its own, three ways, each step's next token
-written in place into the bound inputs and the logits read back:
+written in place into the bound inputs and the logits read back (each sentence through every way
+in turn, the first way rotating from one sentence to the next, decoded twice and the second
+timed: a drift of the GPU's clocks over the run falls on every way alike):
 - `dynamic`: the runtime's own step-graph session, at the same fixed shapes;
 - `static`: a session of the same graph with the dimensions fixed;
 - `cuda_graph`: that session replaying a CUDA graph (CUDA only; otherwise, or when onnxruntime
   refuses, the reason);
 and the same fixed-shape way (on CUDA the CUDA graph, else `static`) on rewritten copies of the
 step graph (`GRAPH_VARIANTS`: each self-attention's query, key and value as one packed product,
-`export.fused_projections.fuse_float_projections`; and that with each residual Add and the
-LayerNormalization after it as one `SkipLayerNormalization`, `bench.step_variants`), whose
+`export.fused_projections.fuse_float_projections`; each residual Add and the LayerNormalization
+after it as one `SkipLayerNormalization`, `bench.step_variants.fuse_skip_layer_norms`; both), whose
 kernels a lone row's step on a GPU waits on one after the other. It reports each one's
 milliseconds per step, whether its tokens are the dynamic session's, and its largest logit
 difference from it while they agree. `make gpu-check` runs it beside
@@ -63,6 +65,7 @@ def packed_projections_and_norms(graph: onnx.ModelProto) -> onnx.ModelProto:
 
 GRAPH_VARIANTS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
     "packed projections": packed_projections,
+    "fused layer norms": fuse_skip_layer_norms,
     "packed projections, fused layer norms": packed_projections_and_norms,
 }
 
@@ -120,7 +123,7 @@ def decode(row: LoneSlots, runtime: ModelRuntime, source: list[int],
 def measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]],
             max_new_tokens: int | None = None,
             graph_variants: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] | None = None) -> dict[str, Any]:
-    """The module docstring's ways over `sources` (each decoded twice, the second timed), the
+    """The module docstring's ways over `sources` (interleaved, each decoded twice, the second timed), the
     step graph's rewrites `graph_variants` (default `GRAPH_VARIANTS`) included: ms per step,
     tokens the same as `dynamic`'s, largest logit difference while they agree."""
     if runtime.step is None:
@@ -152,33 +155,48 @@ def _measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]
         way = f"{'cuda_graph' if cuda else 'static'}, {name}"
         sessions[way] = _session_or_reason(lambda rewrite=rewrite: static_session(
             model_dir, runtime, cuda_graph=cuda, path=write_variant(model_dir, runtime, rewrite, folder)))
-    reference: list[tuple[list[int], list[np.ndarray]]] = []
-    report: dict[str, Any] = {"sentences": len(sources), "fixed_dimensions": _dimensions(runtime)}
+    report: dict[str, Any] = {"sentences": len(sources), "fixed_dimensions": _dimensions(runtime),
+                              "order": "interleaved: each sentence through every way in turn, the first way rotating"}
+    rows: dict[str, LoneSlots] = {}
     for name, session in sessions.items():
         if isinstance(session, str):
             report[name] = {"error": session}
             continue
-        seconds, steps, same, difference = 0.0, 0, 0, 0.0
-        try:
-            row = LoneSlots.of(runtime, session)
-            for i, source in enumerate(sources):
-                decode(row, runtime, source, limit)  # the first steps: warm-up, on CUDA the graph's capture
-                tokens, logits, took = decode(row, runtime, source, limit)
-                seconds, steps = seconds + took, steps + len(logits)
-                if name == "dynamic":
-                    reference.append((tokens, logits))
-                    continue
-                same += tokens == reference[i][0]
-                for ours, theirs in zip(logits, reference[i][1], strict=False):
-                    difference = max(difference, float(np.abs(ours - theirs).max()))
-                    if int(ours.argmax()) != int(theirs.argmax()):
-                        break
+        try:  # the first decode: warm-up, on CUDA the graph's capture
+            rows[name] = LoneSlots.of(runtime, session)
+            decode(rows[name], runtime, sources[0], limit)
         except Exception as error:  # noqa: BLE001 - a graph onnxruntime cannot capture is the finding
             report[name] = {"error": f"{type(error).__name__}: {error}"}
-            continue
+            rows.pop(name, None)
+    if "dynamic" not in rows:
+        return report
+    decoded: dict[str, list[tuple[list[int], list[np.ndarray], float]]] = {name: [] for name in rows}
+    ways = list(rows)
+    for i, source in enumerate(sources):
+        for name in ways[i % len(ways):] + ways[:i % len(ways)]:
+            if name not in rows:
+                continue
+            try:
+                decode(rows[name], runtime, source, limit)  # each sentence twice, the second timed
+                decoded[name].append(decode(rows[name], runtime, source, limit))
+            except Exception as error:  # noqa: BLE001 - a failure midway is the finding too
+                report[name] = {"error": f"{type(error).__name__}: {error}"}
+                del rows[name]
+    reference = decoded["dynamic"]
+    for name in rows:
+        seconds = sum(took for _, _, took in decoded[name])
+        steps = sum(len(logits) for _, logits, _ in decoded[name])
         report[name] = {"ms_per_step": 1000 * seconds / max(steps, 1), "steps": steps}
-        if name != "dynamic":
-            report[name].update(same_tokens=same / max(len(sources), 1), max_logit_difference=difference)
+        if name == "dynamic":
+            continue
+        same, difference = 0, 0.0
+        for (tokens, logits, _), (expected, expected_logits, _) in zip(decoded[name], reference, strict=True):
+            same += tokens == expected
+            for ours, theirs in zip(logits, expected_logits, strict=False):
+                difference = max(difference, float(np.abs(ours - theirs).max()))
+                if int(ours.argmax()) != int(theirs.argmax()):
+                    break
+        report[name].update(same_tokens=same / max(len(sources), 1), max_logit_difference=difference)
     return report
 
 

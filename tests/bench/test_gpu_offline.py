@@ -101,3 +101,28 @@ def test_install_joins_split_wheels_and_installs_what_the_host_lacks(tmp_path: P
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "84"
     assert not (target / "pytest").exists()
+
+
+def test_bundle_sorts_files_into_folders_that_give_them_back(tmp_path: Path, monkeypatch) -> None:
+    """Each folder holds at most --max-mb MiB; copying every folder's contents into one place
+    puts each file back at its relative path, the same bytes; a file over the limit is refused."""
+    monkeypatch.chdir(tmp_path)
+    for name, size in (("wheels/a.part000", 3 << 20), ("wheels/b.whl", 1 << 20), ("models/m/weights.bin", 2 << 20),
+                       ("models/m/config.json", 100)):
+        Path(name).parent.mkdir(parents=True, exist_ok=True)
+        _file(Path(name), size)
+    folders = gpu_offline.bundle([Path("wheels"), Path("models")], 3.5, Path("out"))
+    sizes = [sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) for folder in folders]
+    assert len(folders) == 2 and max(sizes) <= 3.5 * (1 << 20) and sum(sizes) == (6 << 20) + 100
+    host = tmp_path / "host"
+    for folder in folders:
+        for file in folder.rglob("*"):
+            if file.is_file():
+                (host / file.relative_to(folder)).parent.mkdir(parents=True, exist_ok=True)
+                (host / file.relative_to(folder)).write_bytes(file.read_bytes())
+    for name in ("wheels/a.part000", "wheels/b.whl", "models/m/weights.bin", "models/m/config.json"):
+        assert (host / name).read_bytes() == Path(name).read_bytes()
+    with pytest.raises(gpu_offline.PartError, match="over 2 MiB"):
+        gpu_offline.bundle([Path("wheels")], 2, Path("again"))
+    assert gpu_offline.main(["bundle", "models", "--max-mb", "4", "--out", "cli"]) == 0
+    assert (tmp_path / "cli" / "00" / "models" / "m" / "weights.bin").exists()

@@ -15,6 +15,7 @@ from bench.step_variants import (
     ATTENTION_CACHES,
     attention_us,
     float_self_cache,
+    fuse_skip_layer_norms,
     main,
     variant_repository,
 )
@@ -52,6 +53,8 @@ def test_fused_layer_norms_leave_no_add_before_a_layer_norm_and_decode_the_rever
         assert fused_nodes and len(after.graph.node) < len(before.graph.node)
         producers = {output: n.op_type for n in after.graph.node for output in n.output}
         assert not any(producers.get(n.input[0]) == "Add" for n in after.graph.node if n.op_type == "LayerNormalization")
+        with pytest.raises(ValueError, match="no Add followed by a LayerNormalization"):
+            fuse_skip_layer_norms(after)  # a variant must differ from the graph it rewrites
     sources = _sources(tiny_model_repository, tiny_model_repository.parent / "data")
     expected, actual = _decoded(tiny_model_repository, sources), _decoded(fused, sources)
     reversal = {i: source[:-1][::-1] for i, source in enumerate(sources)}
