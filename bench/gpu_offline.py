@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -159,7 +160,7 @@ def install(folder: Path, target: Path, every: bool = False) -> list[Path]:
 
 
 def bundle(paths: list[Path], max_mb: float, out: Path) -> list[Path]:
-    """Hard-link (or copy) the files under `paths` (relative to the working directory) into
+    """Copy the files under `paths` (relative to the working directory) into
     folders `out`/00, `out`/01, ... of at most `max_mb` MiB each, largest first, each file into the
     first folder with room, at its own relative path; returns the folders. Raises PartError for a
     file larger than `max_mb` (split it first) or a path outside the working directory."""
@@ -183,10 +184,7 @@ def bundle(paths: list[Path], max_mb: float, out: Path) -> list[Path]:
     for file, folder in places:
         target = folders[folder] / file
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            target.hardlink_to(file)
-        except OSError:
-            target.write_bytes(file.read_bytes())
+        shutil.copyfile(file, target)  # a copy: onnx refuses external weights with several hard links
     return folders
 
 
