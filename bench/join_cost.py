@@ -13,7 +13,9 @@ with each token's log-probability summed, which the service skips) runs `--repea
 calls, copies), in copies alone and in decoder steps, the median run of each (`--modes` picks
 some). Within the steps, the step graph's departures (the last rows moving into the slots of
 rows that finished) are timed apart. `--provider CUDAExecutionProvider` runs it on the GPU (its
-slots on the device).
+slots on the device); `--device-slots` keeps the slots on the runtime's device with IO binding on
+the CPU too, where joins, departures and resizes run the same slot graphs as on CUDA, and
+`--variant` picks the repository's variant (device slots hold a float cache: fp32).
 
 With `--profile`, one more replay of the step graph on sessions with onnxruntime's profiler (on
 the same providers) gives the step graph's and the encoder's time per operator type, and the
@@ -58,6 +60,12 @@ def _slots(runtime: Any) -> Any:
     from service.batching.slot_batch import SlotBatch
 
     return SlotBatch(runtime, scores=False)
+
+
+def _device_slots(runtime: Any) -> Any:
+    from service.batching.slot_batch import SlotBatch
+
+    return SlotBatch(runtime, scores=False, on_device=True)
 
 
 # mode -> a running batch over the runtime; the service's batch is the step graph's when the
@@ -162,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time CTranslate2 int8 on one thread in batches of --rows (needs ctranslate2)")
     parser.add_argument("--against", type=Path, default=None,
                         help="another repository of the model whose step graph replays in the same turns")
+    parser.add_argument("--variant", default=None, help="the repository's variant (default: the provider's)")
+    parser.add_argument("--device-slots", action="store_true",
+                        help="the step graph's slots on the runtime's device with IO binding, also on the CPU "
+                        "(as CUDA batches: departures and joins run the slot graphs)")
     args = parser.parse_args(argv)
     from model.tokenizer import Tokenizer
     from service.repository.manifest import ManifestError, read_manifest
@@ -170,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = read_manifest(args.model)
     tokenizer = Tokenizer.from_file(args.model / "tokenizer.model")
     providers = [args.provider, "CPUExecutionProvider"] if args.provider != "CPUExecutionProvider" else [args.provider]
-    runtime = ModelRuntime.load(args.model, providers=providers, threads=1, spinning=False, memory_arena=False)
+    runtime = ModelRuntime.load(args.model, providers=providers, threads=1, spinning=False, memory_arena=False,
+                                variant=args.variant, io_binding=True if args.device_slots else None)
+    slots = _device_slots if args.device_slots else _slots
     lines = (args.data_dir / manifest.name / "test.src").read_text(encoding="utf-8").splitlines()
     sources = [tokenizer.encode(line)[: runtime.max_source_len - 1] + [runtime.eos_id]
                for line in lines[: args.sentences]]
@@ -195,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 make_batch = MODES[mode]
                 if make_batch is _slots and runtime.step is None:
                     continue
+                make_batch = slots if make_batch is _slots else make_batch
                 runs[mode].append(replay(runtime, sources, args.rows, args.group, make_batch))
             if against is not None:
                 runs.setdefault(f"{STEP_MODE} ({args.against})", []).append(
@@ -204,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.join_cost " + shlex.join(sys.argv[1:] if argv is None else argv),
         "machine": machine.describe(), "model": manifest.name, "sentences": len(sources),
         "provider": runtime.provider, "variant": runtime.variant, "rows": args.rows, "group": args.group,
+        "device_slots": args.device_slots,
         "modes": {mode: {"median": {key: statistics.median(run[key] for run in mode_runs)
                                     for key in mode_runs[0]}, "runs": mode_runs}
                   for mode, mode_runs in runs.items()},

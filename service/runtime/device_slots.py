@@ -14,9 +14,10 @@ that touches them runs there:
 - a newcomer's cross keys/values (the encoder's outputs, already on the device with IO binding)
   are written into its slots on the device, padded to the batch's source width;
 - rows moving into the holes of finished rows, and the buffers' growth and shrinking, are tiny
-  ONNX graphs (Slice, Pad, Cast, ConstantOfShape, written with `onnx_proto`) run by a session of
-  the runtime's provider, bound in and out by IO binding: a move is a copy of whole rows from
-  views of the buffer onto other views of it, one view per run of consecutive rows.
+  ONNX graphs (Slice, Pad, Cast, ConstantOfShape, Gather, ScatterND, written with `onnx_proto`)
+  run by a session of the runtime's provider, bound in and out by IO binding: a move gathers the
+  moving rows of every buffer and scatters them over their targets in place, one call however
+  many rows move and wherever they lie (`move_graph`).
 
 Views over the first n rows. OrtValue has no sub-views (no slicing of device memory), but the
 buffers are C-contiguous with the slot as the leading dimension, so the first n slots are the
@@ -119,7 +120,6 @@ def slot_graphs(provider: str, device: str, device_id: int) -> SlotGraphs:
 
 _RANK4 = ("rows", "heads", "columns", "head_dim")
 _ALL_COLUMNS = 2**62  # a Slice end past every buffer's columns
-RUNS_PER_CALL = 8  # row runs one move copies per call of the pad graph (a session per count up to this)
 
 
 def _tensor(name: str, element_type: int, prefix: str = "") -> bytes:
@@ -144,6 +144,22 @@ def pad_graph(types: tuple[int, ...], casts: tuple[int, ...] | None = None) -> b
     inputs += [_tensor(f"x{i}", t, f"x{i}_") for i, t in enumerate(types)]
     outputs = [_tensor(f"y{i}", t, f"y{i}_") for i, t in enumerate(targets)]
     return onnx_proto.model(nodes, inputs, outputs, "slot_pad")
+
+
+def move_graph(types: tuple[int, ...]) -> bytes:
+    """Inputs `sources` (k) and `targets` (k, 1) int64 and tensors `x0..` of `types`; outputs
+    `yi = ScatterND(xi, targets, Gather(xi, sources))`: xi with its rows `sources` written over
+    its rows `targets`, every row read before any is written. Bound to xi itself, the output is
+    xi changed in place (onnxruntime's ScatterND copies nothing when they are one buffer)."""
+    nodes = []
+    for i in range(len(types)):
+        nodes.append(onnx_proto.node("Gather", [f"x{i}", "sources"], [f"rows{i}"], f"gather{i}", axis=0))
+        nodes.append(onnx_proto.node("ScatterND", [f"x{i}", "targets", f"rows{i}"], [f"y{i}"], f"scatter{i}"))
+    inputs = [onnx_proto.value_info("sources", onnx_proto.INT64, ["moves"]),
+              onnx_proto.value_info("targets", onnx_proto.INT64, ["moves", 1])]
+    inputs += [_tensor(f"x{i}", t, f"x{i}_") for i, t in enumerate(types)]
+    outputs = [_tensor(f"y{i}", t, f"x{i}_") for i, t in enumerate(types)]
+    return onnx_proto.model(nodes, inputs, outputs, "slot_move")
 
 
 def zeros_graph(types: tuple[int, ...]) -> bytes:
@@ -225,15 +241,6 @@ class DeviceSlots:
         self._run_pad([(source, 0, kept_rows, target, row, rows) for source, target in zip(sources, targets, strict=True)],
                       kept_columns, [0, 0, 0, 0, rows - kept_rows, 0, columns - kept_columns, 0])
 
-    def _copy(self, sources: list[ort.OrtValue], targets: list[ort.OrtValue], runs: list[tuple[int, int, int]]) -> None:
-        """Copy each run (first source row, first target row, count) of rows of each of `sources`
-        onto the target of the same index (the same columns and type; a run's two row ranges must
-        not overlap when source and target are one buffer), `RUNS_PER_CALL` runs per call."""
-        for first in range(0, len(runs), RUNS_PER_CALL):
-            self._run_pad([(source, source_row, count, target, target_row, count)
-                           for source_row, target_row, count in runs[first:first + RUNS_PER_CALL]
-                           for source, target in zip(sources, targets, strict=True)], _ALL_COLUMNS, [0] * 8)
-
     def _run_pad(self, views: list[tuple[Tensor, int, int, ort.OrtValue, int, int]], kept_columns: int,
                  pads: list[int]) -> None:
         """The pad graph over `views`, each (source, its first row, rows read, target, its first
@@ -265,23 +272,20 @@ class DeviceSlots:
         """Copy slots `sources` onto slots `targets` (each target once; a target may be among
         the sources: every source is read before any target is written), cache and cross
         keys/values (the cache only without `cross`), in place; whole rows (`columns` is for
-        `HostSlots`' interface: a row's first columns are not contiguous in it). Each run of
-        consecutive sources onto consecutive targets is a copy of whole rows (the pad graph, padding
-        nothing), up to `RUNS_PER_CALL` of them in one call; when a target is also a source, the
-        sources are copied to staging buffers first."""
+        `HostSlots`' interface: a row's first columns are not contiguous in it). One call of the
+        move graph (`move_graph`: a Gather and a ScatterND per buffer, written in place) however
+        many rows move and wherever they lie."""
         del columns
         buffers = [*self.cache, *self.cross] if cross else list(self.cache)
-        sources = np.asarray(sources, dtype=np.int64)
-        targets = np.asarray(targets, dtype=np.int64)
-        origin = buffers
-        if np.intersect1d(sources, targets).size:
-            origin = [ort.OrtValue.ortvalue_from_shape_and_type(
-                [len(sources), *b.shape()[1:]], onnx_proto.NUMPY_TYPES[b.element_type()].type,
-                self.graphs.device, self.graphs.device_id) for b in buffers]
-            staged = np.arange(len(sources), dtype=np.int64)
-            self._copy(buffers, origin, _runs(sources, staged))
-            sources = staged
-        self._copy(origin, buffers, _runs(sources, targets))
+        types = tuple(buffer.element_type() for buffer in buffers)
+        session = self.graphs.session(("move", types), lambda: move_graph(types))
+        binding = session.io_binding()
+        binding.bind_cpu_input("sources", np.ascontiguousarray(sources, dtype=np.int64))
+        binding.bind_cpu_input("targets", np.ascontiguousarray(np.reshape(targets, (-1, 1)), dtype=np.int64))
+        for i, buffer in enumerate(buffers):
+            binding.bind_ortvalue_input(f"x{i}", buffer)
+            binding.bind_ortvalue_output(f"y{i}", buffer)  # the same memory: in place
+        session.run_with_iobinding(binding)
 
     def resized(self, rows: int, capacity: int, width: int, kept_rows: int, kept_columns: int) -> DeviceSlots:
         """Buffers of `rows` slots, `capacity` cache columns and source width `width`, holding
@@ -339,18 +343,6 @@ class DeviceSlots:
             self.graphs.bind_view(binding, past, value, view)
             self.graphs.bind_view(binding, present, value, view, output=True)  # the same memory: in place
         return binding
-
-
-def _runs(sources: np.ndarray, targets: np.ndarray) -> list[tuple[int, int, int]]:
-    """(first source, first target, count) of each run of consecutive sources onto consecutive
-    targets, in the pairs' order."""
-    runs: list[tuple[int, int, int]] = []
-    for source, target in zip(sources.tolist(), targets.tolist(), strict=True):
-        if runs and source == runs[-1][0] + runs[-1][2] and target == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((source, target, 1))
-    return runs
 
 
 def _element_type(tensor: Tensor) -> int:

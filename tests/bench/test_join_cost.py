@@ -77,6 +77,26 @@ def test_join_cost_replays_another_export_of_the_model_in_the_same_turns(tiny_be
               "--sentences", "4", "--against", str(tmp_path)])
 
 
+def test_join_cost_keeps_the_slots_on_the_device_when_asked(tiny_bench_dirs: tuple[Path, Path], tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--device-slots`: the step graph's batch holds `DeviceSlots` (IO binding) on the CPU, its
+    departures moving rows in them."""
+    from service.runtime.device_slots import DeviceSlots
+
+    moved: list[int] = []
+    move_rows = DeviceSlots.move_rows
+    monkeypatch.setattr(DeviceSlots, "move_rows",
+                        lambda self, sources, *args, **kwargs: moved.append(len(sources)) or move_rows(self, sources, *args, **kwargs))
+    models, data = tiny_bench_dirs
+    out = tmp_path / "join_cost.json"
+    assert main(["--model", str(models / "tiny-reverse"), "--data-dir", str(data), "--out", str(out),
+                 "--sentences", "30", "--rows", "8", "--group", "3", "--repeats", "1", "--modes", STEP_MODE,
+                 "--device-slots", "--variant", "fp32"]) == 0
+    results = json.loads(out.read_text(encoding="utf-8"))
+    assert results["device_slots"] is True and results["variant"] == "fp32"
+    assert results["modes"][STEP_MODE]["median"]["leaves"] > 0 and moved
+
+
 def test_the_replay_never_holds_more_than_its_rows(tiny_runtime, monkeypatch: pytest.MonkeyPatch) -> None:
     """Joins of `group` stop at `rows`: a batch of 5 rows joining in threes takes 3, then 2."""
     from service.batching.slot_batch import SlotBatch

@@ -249,9 +249,9 @@ def test_writes_moves_and_resizes_match_the_host_buffers(cross_dtype: type) -> N
         assert host.nbytes == cache_bytes + 2 * LAYERS * rows * HEADS * width * HEAD_DIM * 4  # float32 cross
 
 
-def test_a_move_of_more_runs_than_one_call_takes_matches_the_host_buffers() -> None:
-    """Departures of 10 scattered rows (10 runs: two calls of the pad graph) and a beam-like
-    permutation of them (staged) leave the device buffers as the host buffers."""
+def test_a_move_of_scattered_rows_is_one_call_and_matches_the_host_buffers(monkeypatch) -> None:
+    """Departures of 10 scattered rows and a beam-like permutation of them (every target a
+    source) leave the device buffers as the host buffers, each move one call of the move graph."""
     rng = np.random.default_rng(3)
     rows = 24
     device = DeviceSlots(slot_graphs(CPU, "cpu", 0), LAYERS, rows, HEADS, 6, HEAD_DIM, width=5)
@@ -263,18 +263,16 @@ def test_a_move_of_more_runs_than_one_call_takes_matches_the_host_buffers() -> N
         written = _random(rng, (rows, HEADS, 6, HEAD_DIM))
         array[:] = written
         value.update_inplace(written)
+    calls: list[str] = []
+    run = ort.InferenceSession.run_with_iobinding
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding",
+                        lambda session, binding, *args: calls.append("run") or run(session, binding, *args))
     sources, targets = np.arange(23, 3, -2), np.arange(0, 20, 2)
-    assert len(device_slots._runs(sources, targets)) == 10 > device_slots.RUNS_PER_CALL
     for slots in (device, host):
         slots.move_rows(sources, targets, 6)
         slots.move_rows(targets, targets[::-1].copy(), 6, cross=False)  # a permutation: every target a source
+    assert len(calls) == 2
     _same(device, host, rows, 6)
-
-
-def test_a_move_copies_each_run_of_consecutive_rows_at_once() -> None:
-    runs = device_slots._runs(np.array([5, 6, 7, 2, 9, 10]), np.array([0, 1, 2, 3, 4, 6]))
-    assert runs == [(5, 0, 3), (2, 3, 1), (9, 4, 1), (10, 6, 1)]
-    assert device_slots._runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []
 
 
 def test_a_resize_that_keeps_a_shape_keeps_its_buffers() -> None:
