@@ -9,14 +9,16 @@
    with each other `--service-batch-sizes` as its rows per batch (on CUDA also in the other
    batching modes of `SERVICE_MODES`, the lone slot's off at concurrency 1, and as
    `--service-processes` server processes), and with as many clients and rows per batch as the
-   largest of `--batch-sizes` where that is above the top concurrency; the service's
+   largest of `--batch-sizes` where that is above the top concurrency (one process and each of
+   `--service-processes`; `WIDE_WAVES` requests a client, the sentences sent again as needed, so
+   the batch runs full past the first wave); the service's
    graphs in-process at each `--batch-sizes` and one sentence at a time (the first 128); and the alternatives that run on the same GPU
    without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
    the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
    the repository's PyTorch model with its KV cache, batched, in fp16 autocast. The target line
-   compares the service's best setting at its top concurrency (rows per batch, server processes;
+   compares the service's best setting (concurrency, rows per batch, server processes;
    continuous batching, the default mode) with the fastest of them, and with the fastest whose
-   batch holds at most as many sentences as the service has clients. GPU memory in use is
+   batch holds at most as many sentences as that setting has clients. GPU memory in use is
    read from `nvidia-smi` after each part.
 4. Writes `<out>/<gpu name>/gpu-check.json` and `gpu-check.md`: every number, the device, the
    driver, onnxruntime's version and the provider each part actually ran on. The JSON is
@@ -71,6 +73,7 @@ LATENCY_BOUND_S = 0.010  # p50 of a single request on a GPU
 # continuous batching on the step graph in-process (`bench.join_cost`): sentences, slots, newcomers per join
 RUNNING_SENTENCES, RUNNING_ROWS, RUNNING_GROUP = 512, 64, 8
 PROFILED_ALONE = 16  # sentences of the profiled replay, one at a time on the step graph
+WIDE_WAVES = 4  # requests a client sends in the wide runs (the sentences sent again as needed)
 STATIC_ALONE = 16  # sentences decoded alone on a step graph of fixed shapes (and as a CUDA graph)
 
 
@@ -346,15 +349,21 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
         log = out / (f"service-{model}-{rows}{'' if mode in ('default', 'wide') else '-' + SERVICE_MODES[mode][0][2:]}"
                      f"{f'-p{processes}' if processes > 1 else ''}.log")
         with ServerProcess(command, port, log) as server:
-            if processes > 1:
+            if mode == "wide":
+                wide_texts = [texts[i % len(texts)] for i in range(max(len(texts), WIDE_WAVES * rows))]
+                result = asyncio.run(closed_loop(url, text_bodies(wide_texts), rows))
+                run = {"max_batch_size": rows, "concurrency": rows, "processes": processes,
+                       "stats": result.stats().to_dict()}
+                if processes > 1:
+                    report.setdefault("service_wide_processes", {})[str(processes)] = run
+                else:
+                    report["service_wide"] = run
+                report[f"memory_during_service_{rows}{f'_p{processes}' if processes > 1 else ''}"] = served_gpu(server)
+            elif processes > 1:
                 result = asyncio.run(closed_loop(url, text_bodies(texts), max(concurrency)))
                 report.setdefault("service_processes", {})[str(processes)] = {
                     "max_batch_size": rows, "concurrency": max(concurrency), "stats": result.stats().to_dict()}
                 report[f"memory_during_service_p{processes}"] = served_gpu(server)
-            elif mode == "wide":
-                result = asyncio.run(closed_loop(url, text_bodies(texts), rows))
-                report["service_wide"] = {"max_batch_size": rows, "concurrency": rows, "stats": result.stats().to_dict()}
-                report[f"memory_during_service_{rows}"] = served_gpu(server)
             elif mode != "default":
                 clients = 1 if mode in SINGLE_MODES else max(concurrency)
                 result = asyncio.run(closed_loop(url, text_bodies(texts if clients > 1 else texts[:ALONE]), clients))
@@ -383,25 +392,26 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     if manifest.task == "translate":
         report["ctranslate2"] = ctranslate2_baseline(models / model, pieces, batch_sizes, max_new_tokens, device)
     best = best_alternative(report)
-    # the default batching mode, each setting a user tunes (rows per batch, server processes): the best
-    settings = [(int(r), 1, s["sentences_per_s"]) for r, s in report["service_batch_sizes"].items()]
-    settings += [(run["max_batch_size"], int(n), run["stats"]["sentences_per_s"])
+    # the default batching mode, each setting a user tunes (clients, rows per batch, server processes): the best
+    settings = [(int(r), 1, s["sentences_per_s"], max(concurrency)) for r, s in report["service_batch_sizes"].items()]
+    settings += [(run["max_batch_size"], int(n), run["stats"]["sentences_per_s"], run["concurrency"])
                  for n, run in report.get("service_processes", {}).items()]
-    rows, processes, top = max(settings, key=lambda setting: setting[2])
+    settings += [(run["max_batch_size"], run.get("processes", 1), run["stats"]["sentences_per_s"], run["concurrency"])
+                 for run in wide_runs(report)]
+    rows, processes, top, clients = max(settings, key=lambda setting: setting[2])
     # the alternatives' best batch may hold more sentences than the service's clients send at once:
     # the ratio against the best at most as large as the concurrency is beside it
-    in_flight = best_alternative(report, max(concurrency))
-    report["target"] = {"service_concurrency": max(concurrency), "service_sentences_per_s": top,
+    in_flight = best_alternative(report, clients)
+    report["target"] = {"service_concurrency": clients, "service_sentences_per_s": top,
                         "service_max_batch_size": rows, "service_processes": processes,
                         "best_alternative": best[0] if best else None,
                         "ratio": top / best[1] if best and best[1] else None, "bound": 1.0,
                         "in_flight_alternative": in_flight[0] if in_flight else None,
                         "in_flight_ratio": top / in_flight[1] if in_flight and in_flight[1] else None}
-    if "service_wide" in report:  # the service with as many sentences in flight as the largest batch
-        wide_best = best_alternative(report, report["service_wide"]["concurrency"])
-        report["service_wide"] |= {"best_alternative": wide_best[0] if wide_best else None,
-                                   "ratio": (report["service_wide"]["stats"]["sentences_per_s"] / wide_best[1]
-                                             if wide_best and wide_best[1] else None)}
+    for wide in wide_runs(report):  # the service with as many sentences in flight as the largest batch
+        wide_best = best_alternative(report, wide["concurrency"])
+        wide |= {"best_alternative": wide_best[0] if wide_best else None,
+                 "ratio": wide["stats"]["sentences_per_s"] / wide_best[1] if wide_best and wide_best[1] else None}
     if "1" in report["service"]:  # the single request's latency (the issue's bound: 10 ms on a GPU)
         report["latency_target"] = {"service_p50_s": report["service"]["1"]["latency_p50_s"],
                                     "in_process_alone_p50_s": report["in_process_alone"]["latency_p50_s"],
@@ -409,16 +419,25 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     return report
 
 
+def wide_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's wide runs (as many clients and rows per batch as the largest batch), one
+    server process first."""
+    return ([report["service_wide"]] if "service_wide" in report else []) + list(
+        report.get("service_wide_processes", {}).values())
+
+
 def service_runs(provider: str, concurrency: list[int], batch_sizes: list[int], service_batch_sizes: tuple[int, ...],
                  service_processes: tuple[int, ...]) -> list[tuple[int, str, int]]:
     """The service's runs, (rows per batch, mode, server processes), most wanted first: the
     default settings at every concurrency (the first rows per batch); as many clients and rows
     per batch as the largest batch in-process, where that is above the top concurrency (the
-    sentences in flight of the alternatives' best batch); the other rows per batch at the top
-    concurrency; on CUDA the other batching modes (`SERVICE_MODES`, at the top concurrency or at
-    one client, `SINGLE_MODES`); server processes."""
+    sentences in flight of the alternatives' best batch), in one server process and in each of
+    `service_processes`; the other rows per batch at the top concurrency; on CUDA the other
+    batching modes (`SERVICE_MODES`, at the top concurrency or at one client, `SINGLE_MODES`);
+    server processes."""
     runs = [(service_batch_sizes[0], "default", 1)]
-    runs += [(max(batch_sizes), "wide", 1)] if max(batch_sizes) > max(concurrency) else []
+    if max(batch_sizes) > max(concurrency):
+        runs += [(max(batch_sizes), "wide", processes) for processes in dict.fromkeys((1, *service_processes))]
     runs += [(rows, "default", 1) for rows in service_batch_sizes[1:]]
     runs += [(service_batch_sizes[0], mode, 1) for mode in SERVICE_MODES] * (provider == CUDA)
     runs += [(service_batch_sizes[0], "default", processes) for processes in service_processes if processes > 1]
@@ -468,10 +487,11 @@ def markdown(results: dict[str, Any]) -> str:
             name = (f"service, concurrency {run['concurrency']}, {processes} server processes, "
                     f"{run['max_batch_size']} rows per batch")
             rows.append((name, run["stats"]))
-        if "service_wide" in report:
-            wide = report["service_wide"]
-            rows.append((f"service, concurrency {wide['concurrency']}, {wide['max_batch_size']} rows per batch",
-                         wide["stats"]))
+        for wide in wide_runs(report):
+            processes = wide.get("processes", 1)
+            name = (f"service, concurrency {wide['concurrency']}"
+                    f"{f', {processes} server processes' if processes > 1 else ''}, {wide['max_batch_size']} rows per batch")
+            rows.append((name, wide["stats"]))
         for mode, run in report.get("service_modes", {}).items():
             rows.append((f"service {mode}, concurrency {run['concurrency']}, {run['max_batch_size']} rows per batch",
                          run["stats"]))
@@ -540,11 +560,13 @@ def markdown(results: dict[str, Any]) -> str:
             if target.get("in_flight_ratio") is not None and target["in_flight_alternative"] != target["best_alternative"]:
                 lines[-1] += (f" Against the best alternative with at most {target['service_concurrency']} sentences "
                               f"in flight ({target['in_flight_alternative']}): {target['in_flight_ratio']:.2f}.")
-        wide = report.get("service_wide", {})
-        if wide.get("ratio") is not None:
-            lines += ["", (f"Service at concurrency {wide['concurrency']} ({wide['max_batch_size']} rows per batch) / "
-                           f"best alternative with at most as many sentences in flight ({wide['best_alternative']}): "
-                           f"**{wide['ratio']:.2f}**.")]
+        for wide in wide_runs(report):
+            if wide.get("ratio") is not None:
+                processes = wide.get("processes", 1)
+                lines += ["", (f"Service at concurrency {wide['concurrency']} ({wide['max_batch_size']} rows per batch"
+                               f"{f', {processes} server processes' if processes > 1 else ''}) / best alternative "
+                               f"with at most as many sentences in flight ({wide['best_alternative']}): "
+                               f"**{wide['ratio']:.2f}**.")]
         scored = report.get("quality", {})
         if "scores" in scored:
             metrics = [m for m in ("bleu", "chrf", "rouge1", "rouge2", "rougeL") if m in scored["scores"]]

@@ -51,11 +51,19 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     # and as two server processes at 8 rows and the top concurrency; the best setting is compared
     (processes,) = report["service_processes"].items()
     assert processes[0] == "2" and processes[1]["max_batch_size"] == 8 and processes[1]["concurrency"] == 4
-    grid = {(int(b), 1): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
-    grid[(8, 2)] = processes[1]["stats"]["sentences_per_s"]
+    # the largest batch (8) is above the top concurrency: the service also with 8 clients and 8 rows,
+    # in one process and in two, WIDE_WAVES requests a client (the 24 sentences sent again)
+    wide, wide_processes = report["service_wide"], report["service_wide_processes"]["2"]
+    assert (wide["concurrency"], wide["max_batch_size"], wide["processes"]) == (8, 8, 1)
+    assert (wide_processes["concurrency"], wide_processes["processes"]) == (8, 2)
+    assert wide["stats"]["sentences"] == wide_processes["stats"]["sentences"] == gpu_check.WIDE_WAVES * 8 == 32
+    grid = {(int(b), 1, 4): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
+    grid[(8, 2, 4)] = processes[1]["stats"]["sentences_per_s"]
+    grid |= {(8, 1, 8): wide["stats"]["sentences_per_s"], (8, 2, 8): wide_processes["stats"]["sentences_per_s"]}
     best = max(grid, key=grid.__getitem__)
-    assert (report["target"]["service_max_batch_size"], report["target"]["service_processes"]) == best
-    assert report["target"]["service_sentences_per_s"] == max(grid.values())
+    target = report["target"]
+    assert (target["service_max_batch_size"], target["service_processes"], target["service_concurrency"]) == best
+    assert target["service_sentences_per_s"] == max(grid.values())
     assert report["in_process_alone"]["sentences"] == 16 and report["in_process_alone"]["latency_p50_s"] > 0
     assert report["service"]["1"]["sentences"] == 16
     running = report["running_batch"]  # continuous batching in-process, its parts timed
@@ -76,23 +84,22 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     # the same-device alternatives: CTranslate2 on the CPU (int8) beside PyTorch, and the target line
     assert set(report["ctranslate2"]["compute_types"]) == {"int8"}
     assert report["ctranslate2"]["compute_types"]["int8"]["8"]["sentences"] == 24
-    assert report["target"]["service_concurrency"] == 4 and report["target"]["ratio"] > 0
-    assert report["target"]["best_alternative"].startswith(("CTranslate2", "PyTorch"))
-    # no alternative batch holds at most 4 sentences: no ratio at the same sentences in flight
-    assert report["target"]["in_flight_alternative"] is report["target"]["in_flight_ratio"] is None
-    # the largest batch (8) is above the top concurrency: the service also with 8 clients and 8 rows,
-    # against the best alternative of at most 8 sentences a batch
-    wide = report["service_wide"]
-    assert (wide["concurrency"], wide["max_batch_size"]) == (8, 8) and wide["stats"]["sentences"] == 24
-    assert wide["stats"]["errors"] == 0 and wide["best_alternative"].endswith("batch 8")
+    assert target["ratio"] > 0 and target["best_alternative"].startswith(("CTranslate2", "PyTorch"))
+    # no alternative batch holds at most 4 sentences, every one at most 8
+    assert (target["in_flight_alternative"] is None) == (target["service_concurrency"] == 4)
+    # each wide run against the best alternative of at most 8 sentences a batch
     alternatives = [*report["pytorch"]["batches"].values(), *report["ctranslate2"]["compute_types"]["int8"].values()]
-    assert wide["ratio"] == pytest.approx(wide["stats"]["sentences_per_s"] / max(a["sentences_per_s"] for a in alternatives))
+    for run in (wide, wide_processes):
+        assert run["stats"]["errors"] == 0 and run["best_alternative"].endswith("batch 8")
+        assert run["ratio"] == pytest.approx(run["stats"]["sentences_per_s"] / max(a["sentences_per_s"] for a in alternatives))
     text = (folder / "gpu-check.md").read_text()
     assert "| service, concurrency 4, 8 rows per batch |" in text and "| CTranslate2 int8, batch 8 |" in text
     assert "| service, concurrency 4, 16 rows per batch |" in text
     assert "| service, concurrency 4, 2 server processes, 8 rows per batch |" in text
     assert "| service, concurrency 8, 8 rows per batch |" in text
+    assert "| service, concurrency 8, 2 server processes, 8 rows per batch |" in text
     assert "Service at concurrency 8 (8 rows per batch) / best alternative with at most as many sentences in flight" in text
+    assert "Service at concurrency 8 (8 rows per batch, 2 server processes) / best alternative with at most" in text
     assert "| ONNX in-process, one sentence at a time (16 sentences) |" in text
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
@@ -105,10 +112,10 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert scored["variant"] == report["variant"] and scored["scores"]["rows"] == scored["cpu_fp32"]["rows"] > 0
     assert scored["within_bound"] == all(scored["scores"][m] >= scored["cpu_fp32"][m] - 1.0 for m in ("bleu", "chrf"))
     assert f"Quality of {report['variant']} on CPUExecutionProvider against fp32 on the CPU" in text
-    target = report["target"]  # the line names the best setting: its rows per batch, and its processes if several
+    # the target line names the best setting: its clients, its rows per batch, and its processes if several
     setting = f"{target['service_max_batch_size']} rows per batch"
     setting += ", 2 server processes" if target["service_processes"] == 2 else ""
-    assert f"Service at concurrency 4 ({setting}) / best alternative" in text
+    assert f"Service at concurrency {target['service_concurrency']} ({setting}) / best alternative (" in text
     assert "service_modes" not in report and report["service_step_graph"] is True  # other modes: on CUDA only
     report["service_modes"] = {"request-level batches": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
     assert "| service request-level batches, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
@@ -122,7 +129,7 @@ def test_past_its_budget_it_skips_the_later_service_runs_and_keeps_what_it_measu
     concurrency); the others are listed as skipped. A run that stops midway (here the
     PyTorch baseline fails) leaves its JSON with every part measured before, `complete` false."""
     assert gpu_check.service_runs(CPU, [1, 4], [8], (8, 16), (2,)) == \
-        [(8, "default", 1), (8, "wide", 1), (16, "default", 1), (8, "default", 2)]
+        [(8, "default", 1), (8, "wide", 1), (8, "wide", 2), (16, "default", 1), (8, "default", 2)]
     assert [mode for _, mode, _ in gpu_check.service_runs(CUDA, [1, 256], [256], (256,), ())] == \
         ["default", *gpu_check.SERVICE_MODES]  # no batch above the top concurrency: no wide run
     monkeypatch.setattr(gpu_check, "ALONE", 8)
@@ -150,12 +157,14 @@ def test_past_its_budget_it_skips_the_later_service_runs_and_keeps_what_it_measu
     assert results["complete"] is False and not (folder / "gpu-check.md").exists()
     assert set(report["service"]) == {"1", "4"} and report["service"]["4"]["errors"] == 0
     assert report["skipped"] == [{"max_batch_size": 8, "mode": "wide", "processes": 1},
+                                 {"max_batch_size": 8, "mode": "wide", "processes": 2},
                                  {"max_batch_size": 16, "mode": "default", "processes": 1},
                                  {"max_batch_size": 8, "mode": "default", "processes": 2}]
     assert "service_wide" not in report and "service_processes" not in report and "pytorch" not in report
     report |= {"pytorch": {"precision": "fp32", "batches": {}}, "target": {}}
-    assert "Not run, past `--budget-s`: the service wide, 8 rows per batch; the service default, 16 rows per " \
-           "batch; the service default, 8 rows per batch, 2 server processes." in gpu_check.markdown(results)
+    assert "Not run, past `--budget-s`: the service wide, 8 rows per batch; the service wide, 8 rows per batch, " \
+           "2 server processes; the service default, 16 rows per batch; the service default, 8 rows per batch, " \
+           "2 server processes." in gpu_check.markdown(results)
 
 
 def test_the_lone_path_is_timed_with_and_without_the_slots_encoder(tiny_model_repository: Path) -> None:
