@@ -16,9 +16,10 @@
    without our code: CTranslate2 on the same weights (float16 and int8_float16 on CUDA, int8 on
    the CPU; recorded as an error when its wheel does not run against the machine's CUDA) and
    the repository's PyTorch model with its KV cache, batched, in fp16 autocast. The target line
-   compares the service's best setting (concurrency, rows per batch, server processes;
+   compares the service's best setting at its top concurrency (rows per batch, server processes;
    continuous batching, the default mode) with the fastest of them, and with the fastest whose
-   batch holds at most as many sentences as that setting has clients. GPU memory in use is
+   batch holds at most as many sentences as the service has clients; each wide run has its own
+   line against the fastest of at most as many sentences in flight. GPU memory in use is
    read from `nvidia-smi` after each part.
 4. Writes `<out>/<gpu name>/gpu-check.json` and `gpu-check.md`: every number, the device, the
    driver, onnxruntime's version and the provider each part actually ran on. The JSON is
@@ -392,17 +393,16 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     if manifest.task == "translate":
         report["ctranslate2"] = ctranslate2_baseline(models / model, pieces, batch_sizes, max_new_tokens, device)
     best = best_alternative(report)
-    # the default batching mode, each setting a user tunes (clients, rows per batch, server processes): the best
-    settings = [(int(r), 1, s["sentences_per_s"], max(concurrency)) for r, s in report["service_batch_sizes"].items()]
-    settings += [(run["max_batch_size"], int(n), run["stats"]["sentences_per_s"], run["concurrency"])
+    # the default batching mode at the top concurrency, each setting a user tunes (rows per batch,
+    # server processes): the best
+    settings = [(int(r), 1, s["sentences_per_s"]) for r, s in report["service_batch_sizes"].items()]
+    settings += [(run["max_batch_size"], int(n), run["stats"]["sentences_per_s"])
                  for n, run in report.get("service_processes", {}).items()]
-    settings += [(run["max_batch_size"], run.get("processes", 1), run["stats"]["sentences_per_s"], run["concurrency"])
-                 for run in wide_runs(report)]
-    rows, processes, top, clients = max(settings, key=lambda setting: setting[2])
+    rows, processes, top = max(settings, key=lambda setting: setting[2])
     # the alternatives' best batch may hold more sentences than the service's clients send at once:
     # the ratio against the best at most as large as the concurrency is beside it
-    in_flight = best_alternative(report, clients)
-    report["target"] = {"service_concurrency": clients, "service_sentences_per_s": top,
+    in_flight = best_alternative(report, max(concurrency))
+    report["target"] = {"service_concurrency": max(concurrency), "service_sentences_per_s": top,
                         "service_max_batch_size": rows, "service_processes": processes,
                         "best_alternative": best[0] if best else None,
                         "ratio": top / best[1] if best and best[1] else None, "bound": 1.0,

@@ -57,12 +57,12 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert (wide["concurrency"], wide["max_batch_size"], wide["processes"]) == (8, 8, 1)
     assert (wide_processes["concurrency"], wide_processes["processes"]) == (8, 2)
     assert wide["stats"]["sentences"] == wide_processes["stats"]["sentences"] == gpu_check.WIDE_WAVES * 8 == 32
-    grid = {(int(b), 1, 4): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
-    grid[(8, 2, 4)] = processes[1]["stats"]["sentences_per_s"]
-    grid |= {(8, 1, 8): wide["stats"]["sentences_per_s"], (8, 2, 8): wide_processes["stats"]["sentences_per_s"]}
+    # the target: the best setting at the top concurrency (4)
+    grid = {(int(b), 1): s["sentences_per_s"] for b, s in report["service_batch_sizes"].items()}
+    grid[(8, 2)] = processes[1]["stats"]["sentences_per_s"]
     best = max(grid, key=grid.__getitem__)
     target = report["target"]
-    assert (target["service_max_batch_size"], target["service_processes"], target["service_concurrency"]) == best
+    assert (target["service_max_batch_size"], target["service_processes"], target["service_concurrency"]) == (*best, 4)
     assert target["service_sentences_per_s"] == max(grid.values())
     assert report["in_process_alone"]["sentences"] == 16 and report["in_process_alone"]["latency_p50_s"] > 0
     assert report["service"]["1"]["sentences"] == 16
@@ -85,8 +85,8 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert set(report["ctranslate2"]["compute_types"]) == {"int8"}
     assert report["ctranslate2"]["compute_types"]["int8"]["8"]["sentences"] == 24
     assert target["ratio"] > 0 and target["best_alternative"].startswith(("CTranslate2", "PyTorch"))
-    # no alternative batch holds at most 4 sentences, every one at most 8
-    assert (target["in_flight_alternative"] is None) == (target["service_concurrency"] == 4)
+    # no alternative batch holds at most 4 sentences: no ratio at the same sentences in flight
+    assert target["in_flight_alternative"] is target["in_flight_ratio"] is None
     # each wide run against the best alternative of at most 8 sentences a batch
     alternatives = [*report["pytorch"]["batches"].values(), *report["ctranslate2"]["compute_types"]["int8"].values()]
     for run in (wide, wide_processes):
@@ -112,10 +112,10 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert scored["variant"] == report["variant"] and scored["scores"]["rows"] == scored["cpu_fp32"]["rows"] > 0
     assert scored["within_bound"] == all(scored["scores"][m] >= scored["cpu_fp32"][m] - 1.0 for m in ("bleu", "chrf"))
     assert f"Quality of {report['variant']} on CPUExecutionProvider against fp32 on the CPU" in text
-    # the target line names the best setting: its clients, its rows per batch, and its processes if several
+    # the target line names the best setting: its rows per batch, and its processes if several
     setting = f"{target['service_max_batch_size']} rows per batch"
     setting += ", 2 server processes" if target["service_processes"] == 2 else ""
-    assert f"Service at concurrency {target['service_concurrency']} ({setting}) / best alternative (" in text
+    assert f"Service at concurrency 4 ({setting}) / best alternative (" in text
     assert "service_modes" not in report and report["service_step_graph"] is True  # other modes: on CUDA only
     report["service_modes"] = {"request-level batches": {"max_batch_size": 8, "concurrency": 4, "stats": report["service"]["4"]}}
     assert "| service request-level batches, concurrency 4, 8 rows per batch |" in gpu_check.markdown(results)
