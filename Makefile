@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PORT   ?= 8000
 
-.PHONY: serve test lint gpu-check gpu-wheels test-slow test-newcomer deploy-test bench soak venv-serve venv-dev venv-bench
+.PHONY: serve test lint gpu-check gpu-wheels gpu-transfer test-slow test-newcomer deploy-test bench soak venv-serve venv-dev venv-bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,14 @@ gpu-wheels: venv-dev
 		prometheus-client sentencepiece sentencex ctranslate2
 	$(BIN)/python -m build -q --wheel --outdir $(WHEELS) .
 	$(BIN)/python bench/gpu_offline.py split $(WHEELS)/onnxruntime_gpu-*.whl --max-mb $(PART_MB) --xz --remove
+
+# After gpu-wheels, for transfers of at most TRANSFER_MB MiB besides the checkout without models/:
+# the wheels a CUDA 13 host lacks and the models, in folders $(WHEELS)/transfer/NN of that size.
+TRANSFER_MB ?= 60.5
+gpu-transfer:
+	rm -rf $(WHEELS)/transfer
+	python3 bench/gpu_offline.py bundle $$(ls $(WHEELS)/onnxruntime_gpu-* $(WHEELS)/*.whl | grep -v -e ctranslate2 -e numpy) \
+		models --max-mb $(TRANSFER_MB) --out $(WHEELS)/transfer
 
 # A fresh clone of HEAD: `make serve` there, every README example against it, the wheel.
 test-newcomer: venv-dev
