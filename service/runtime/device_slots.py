@@ -119,7 +119,6 @@ def slot_graphs(provider: str, device: str, device_id: int) -> SlotGraphs:
 # -- the tiny graphs ------------------------------------------------------------------------
 
 _RANK4 = ("rows", "heads", "columns", "head_dim")
-_ALL_COLUMNS = 2**62  # a Slice end past every buffer's columns
 
 
 def _tensor(name: str, element_type: int, prefix: str = "") -> bytes:
