@@ -533,15 +533,18 @@ def markdown(results: dict[str, Any]) -> str:
         if fixed:
             lines += ["", (f"A lone row on the step graph with fixed shapes ({fixed.get('sentences', 0)} sentences, "
                            "each alone; `bench.static_step`):")]
-            ways = {way: run for way, run in fixed.items() if isinstance(run, dict) and way != "fixed_dimensions"}
+            node_counts = fixed.get("graph_nodes", {})
+            ways = {way: run for way, run in fixed.items()
+                    if isinstance(run, dict) and way not in ("fixed_dimensions", "graph_nodes")}
             if "error" in fixed:
                 lines.append(f"- {fixed['error']}")
             for way, run in ways.items():
-                lines.append(f"- {way}: " + (run["error"] if "error" in run else
-                                             f"{run['ms_per_step']:.3f} ms per step"
-                                             + (f", tokens as dynamic's for {run['same_tokens']:.0%} of sentences, "
-                                                f"largest logit difference {run['max_logit_difference']:.2g}"
-                                                if "same_tokens" in run else "")))
+                found = run["error"] if "error" in run else (
+                    f"{run['ms_per_step']:.3f} ms per step"
+                    + (f", tokens as dynamic's for {run['same_tokens']:.0%} of sentences, "
+                       f"largest logit difference {run['max_logit_difference']:.2g}" if "same_tokens" in run else ""))
+                graph = f" ({node_counts[way]} nodes)" if way in node_counts else ""
+                lines.append(f"- {way}{graph}: {found}")
         same = report.get("agreement")
         if same:
             lines += ["", (f"In-process outputs identical to the {same['reference']} variant's: "

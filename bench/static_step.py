@@ -19,7 +19,8 @@ step graph (`GRAPH_VARIANTS`: each self-attention's query, key and value as one 
 after it as one `SkipLayerNormalization`, `bench.step_variants.fuse_skip_layer_norms`; both), whose
 kernels a lone row's step on a GPU waits on one after the other. It reports each one's
 milliseconds per step, whether its tokens are the dynamic session's, and its largest logit
-difference from it while they agree. `make gpu-check` runs it beside
+difference from it while they agree, and each way's graph's node count (`graph_nodes`, before
+onnxruntime's own optimizations). `make gpu-check` runs it beside
 `step_graph_alone` (the service's own path at concurrency 1, the lone slot on CUDA).
 
     python -m bench.static_step --model models/translate-en-it --data-dir data --sentences 16
@@ -151,12 +152,20 @@ def _measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]
         sessions["cuda_graph"] = f"CUDA graphs need the CUDA provider (this runtime is on {runtime.provider})"
     else:
         sessions["cuda_graph"] = _session_or_reason(lambda: static_session(model_dir, runtime, cuda_graph=True))
+    nodes = {way: len(onnx.load(str(step_graph_path(model_dir, runtime)), load_external_data=False).graph.node)
+             for way in sessions}
     for name, rewrite in graph_variants.items():
         way = f"{'cuda_graph' if cuda else 'static'}, {name}"
-        sessions[way] = _session_or_reason(lambda rewrite=rewrite: static_session(
-            model_dir, runtime, cuda_graph=cuda, path=write_variant(model_dir, runtime, rewrite, folder)))
+
+        def make(rewrite: Callable[[onnx.ModelProto], onnx.ModelProto] = rewrite, way: str = way) -> ort.InferenceSession:
+            path = write_variant(model_dir, runtime, rewrite, folder)
+            nodes[way] = len(onnx.load(str(path), load_external_data=False).graph.node)
+            return static_session(model_dir, runtime, cuda_graph=cuda, path=path)
+
+        sessions[way] = _session_or_reason(make)
     report: dict[str, Any] = {"sentences": len(sources), "fixed_dimensions": _dimensions(runtime),
-                              "order": "interleaved: each sentence through every way in turn, the first way rotating"}
+                              "order": "interleaved: each sentence through every way in turn, the first way rotating",
+                              "graph_nodes": nodes}
     rows: dict[str, LoneSlots] = {}
     for name, session in sessions.items():
         if isinstance(session, str):

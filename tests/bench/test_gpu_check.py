@@ -106,7 +106,8 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "Continuous batching on the step graph in-process (64 slots, 8 newcomers per join)" in text
     assert "One sentence at a time on the step graph in-process (the service's path at concurrency 1, 16 sentences)" in text
     assert f"ms joining (the encoder {alone['encode_ms_per_sentence']:.2f} ms)" in text
-    assert "A lone row on the step graph with fixed shapes (16 sentences" in text and "- static: " in text
+    assert "A lone row on the step graph with fixed shapes (16 sentences" in text
+    assert f"- static ({fixed['graph_nodes']['static']} nodes): " in text
     # quality on the provider against the CPU's fp32 (the dry run: the CPU's own variant, int8 or fp32)
     scored = report["quality"]
     assert scored["variant"] == report["variant"] and scored["scores"]["rows"] == scored["cpu_fp32"]["rows"] > 0

@@ -68,6 +68,10 @@ def test_the_step_graph_rewrites_decode_the_same_tokens(tiny_model_repository: P
     assert packed["steps"] == norms["steps"] == both["steps"] == report["dynamic"]["steps"]
     assert packed["same_tokens"] == norms["same_tokens"] == both["same_tokens"] == 1.0
     assert packed["max_logit_difference"] < 1e-5 and max(norms["max_logit_difference"], both["max_logit_difference"]) < 1e-4
+    counts = report["graph_nodes"]  # each rewrite's graph has fewer nodes than the shipped one
+    assert counts["dynamic"] == counts["static"] > counts["static, packed projections"] > counts[
+        "static, packed projections, fused layer norms"]
+    assert counts["static"] > counts["static, fused layer norms"] > counts["static, packed projections, fused layer norms"]
     with tempfile.TemporaryDirectory() as folder:
         paths = {name: static_step.write_variant(tiny_model_repository, tiny_runtime, rewrite, Path(folder))
                  for name, rewrite in static_step.GRAPH_VARIANTS.items()}
