@@ -512,7 +512,10 @@ def markdown(results: dict[str, Any]) -> str:
         if running:
             lines += ["", (f"Continuous batching on the step graph in-process ({running['rows']} slots, "
                            f"{running['group']} newcomers per join): {running['total_s']:.2f} s, of which joins "
-                           f"{running['join_s']:.2f} s, steps {running['step_s']:.2f} s over {running['steps']} steps "
+                           f"{running['join_s']:.2f} s"
+                           + (f" (the encoder {running['encode_s']:.2f} s over {running['encodes']} calls)"
+                              if "encode_s" in running else "")
+                           + f", steps {running['step_s']:.2f} s over {running['steps']} steps "
                            f"(departures {running['leave_s']:.2f} s over {running['leaves']}), resizes "
                            f"{running['copy_s']:.2f} s over {running['copies']}.")]
         alone = report.get("step_graph_alone")

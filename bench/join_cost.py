@@ -81,10 +81,11 @@ MODES: dict[str, Callable[[Any], Any]] = {
 
 def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
            make_batch: Callable[[Any], Any]) -> dict[str, float]:
-    """Seconds in joins, in the batch copies (RunningBatch's rebuilds, SlotBatch's resizes), in
-    steps and, within them, in SlotBatch's departures (the last rows moved into the finished
-    rows' slots) and in onnxruntime's step graph calls (`step_runtime_s`: the rest of a step is
-    the Python between two calls); the counts of joins, copies, departures and steps."""
+    """Seconds in joins and, within them, in the runtime's encoder calls (`encode_s`) and the
+    batch copies (RunningBatch's rebuilds, SlotBatch's resizes), in steps and, within them, in
+    SlotBatch's departures (the last rows moved into the finished rows' slots) and in
+    onnxruntime's step graph calls (`step_runtime_s`: the rest of a step is the Python between
+    two calls); the counts of joins, encoder calls, copies, departures and steps."""
     batch = make_batch(runtime)
     step_session = getattr(runtime, "step", None)
     copy_method = "_rebuild" if hasattr(batch, "_rebuild") else "_resize"
@@ -92,7 +93,8 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
     count = groups = 0
     index = 0
     begun = time.perf_counter()
-    with (timed_calls([batch], copy_method) as copies,
+    with (timed_calls([runtime], "encode") as encodes,
+          timed_calls([batch], copy_method) as copies,
           timed_calls([batch] if hasattr(batch, "_remove") else [], "_remove") as leaves,
           timed_calls([step_session] if step_session is not None else [], "run_with_iobinding") as in_runtime):
         while index < len(sources) or len(batch):
@@ -109,7 +111,8 @@ def replay(runtime: Any, sources: list[list[int]], rows: int, group: int,
             steps += time.perf_counter() - started
             count += 1
         total = time.perf_counter() - begun
-    return {"join_s": joins, "joins": groups, "copy_s": copies[0], "copies": int(copies[1]), "step_s": steps,
+    return {"join_s": joins, "joins": groups, "encode_s": encodes[0], "encodes": int(encodes[1]),
+            "copy_s": copies[0], "copies": int(copies[1]), "step_s": steps,
             "step_runtime_s": in_runtime[0], "leave_s": leaves[0], "leaves": int(leaves[1]), "steps": count,
             "total_s": total}
 
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         if mode == CTRANSLATE2:
             print(f"{mode}: {median['total_s']:.3f} s")
             continue
-        print(f"{mode}: joins {median['join_s']:.3f} s ({median['copies']:.0f} copies, {median['copy_s']:.3f} s), "
+        print(f"{mode}: joins {median['join_s']:.3f} s (the encoder {median['encode_s']:.3f} s, "
+              f"{median['copies']:.0f} copies, {median['copy_s']:.3f} s), "
               f"steps {median['step_s']:.3f} s over {median['steps']:.0f} steps "
               f"({median['leaves']:.0f} departures, {median['leave_s']:.3f} s; "
               f"{median.get('step_runtime_s', 0.0):.3f} s in onnxruntime)")

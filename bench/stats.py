@@ -54,7 +54,8 @@ def timed_calls(owners: Sequence[Any], method: str,
     """Time every call of `method` on each of `owners` while the block runs: yields a list of
     the seconds summed over those calls (by `clock`: wall time, or e.g. `time.thread_time` for
     the calling thread's CPU) and their count. Each owner's method is wrapped as an attribute of
-    the instance, which is deleted afterwards (the class's method again)."""
+    the instance, and afterwards the instance has what it had before: the class's method again,
+    or the wrapper of an enclosing `timed_calls` of the same method (they nest)."""
     seconds: list[float] = [0.0, 0]
 
     def wrapped(run: Any) -> Any:
@@ -67,10 +68,14 @@ def timed_calls(owners: Sequence[Any], method: str,
                 seconds[1] += 1
         return timed
 
+    before = [vars(owner).get(method) for owner in owners]  # an enclosing block's wrapper, or None
     for owner in owners:
         setattr(owner, method, wrapped(getattr(owner, method)))
     try:
         yield seconds
     finally:
-        for owner in owners:
-            delattr(owner, method)
+        for owner, previous in zip(owners, before, strict=True):
+            if previous is None:
+                delattr(owner, method)
+            else:
+                setattr(owner, method, previous)

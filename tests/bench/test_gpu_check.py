@@ -69,6 +69,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     running = report["running_batch"]  # continuous batching in-process, its parts timed
     assert running["rows"] == gpu_check.RUNNING_ROWS and running["steps"] > 0 and running["leaves"] > 0
     assert running["total_s"] >= running["join_s"] + running["step_s"] and running["step_s"] > running["leave_s"] > 0
+    assert running["join_s"] > running["encode_s"] > 0 and running["encodes"] > 0
     alone = report["step_graph_alone"]  # one sentence at a time on the step graph, then profiled
     assert alone["sentences"] == 16 and alone["steps"] >= 16 and alone["ms_per_sentence"] > alone["ms_per_step"] > 0
     assert alone["ms_per_sentence"] > alone["join_ms_per_sentence"] > alone["encode_ms_per_sentence"] > 0
@@ -104,6 +105,7 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
     assert "Continuous batching on the step graph in-process (64 slots, 8 newcomers per join)" in text
+    assert f"(the encoder {running['encode_s']:.2f} s over {running['encodes']} calls)" in text
     assert "One sentence at a time on the step graph in-process (the service's path at concurrency 1, 16 sentences)" in text
     assert f"ms joining (the encoder {alone['encode_ms_per_sentence']:.2f} ms)" in text
     assert "A lone row on the step graph with fixed shapes (16 sentences" in text

@@ -94,7 +94,9 @@ def test_join_cost_keeps_the_slots_on_the_device_when_asked(tiny_bench_dirs: tup
                  "--device-slots", "--variant", "fp32"]) == 0
     results = json.loads(out.read_text(encoding="utf-8"))
     assert results["device_slots"] is True and results["variant"] == "fp32"
-    assert results["modes"][STEP_MODE]["median"]["leaves"] > 0 and moved
+    median = results["modes"][STEP_MODE]["median"]
+    assert median["leaves"] > 0 and moved
+    assert median["join_s"] > median["encode_s"] > 0 and median["encodes"] == median["joins"]  # one encoder call a join
 
 
 def test_the_replay_never_holds_more_than_its_rows(tiny_runtime, monkeypatch: pytest.MonkeyPatch) -> None:

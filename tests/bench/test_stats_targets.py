@@ -92,3 +92,19 @@ def test_timed_calls_sums_the_seconds_and_counts_the_calls_and_gives_the_class_i
     counted = seconds[0]
     a.work(0.01)
     assert seconds[0] == counted  # calls after the block are not counted
+
+
+def test_timed_calls_nest_on_the_same_method() -> None:
+    """An inner block counts its own calls, the outer one all of them, and each leaves the
+    instance as it found it."""
+    class Worker:
+        def work(self) -> int:
+            return 1
+
+    worker = Worker()
+    with timed_calls([worker], "work") as outer:
+        worker.work()
+        with timed_calls([worker], "work") as inner:
+            worker.work()
+        worker.work()
+    assert (outer[1], inner[1]) == (3, 1) and "work" not in vars(worker)
