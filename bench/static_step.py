@@ -19,8 +19,9 @@ step graph (`GRAPH_VARIANTS`: each self-attention's query, key and value as one 
 after it as one `SkipLayerNormalization`, `bench.step_variants.fuse_skip_layer_norms`; both), whose
 kernels a lone row's step on a GPU waits on one after the other. It reports each one's
 milliseconds per step, whether its tokens are the dynamic session's, and its largest logit
-difference from it while they agree, and each way's graph's node count (`graph_nodes`, before
-onnxruntime's own optimizations). `make gpu-check` runs it beside
+difference from it while they agree, and each way's graph's node count (`graph_nodes`: the
+graph as `export.storage.load_graph` reads it, its weights' casts folded, before onnxruntime's
+own optimizations). `make gpu-check` runs it beside
 `step_graph_alone` (the service's own path at concurrency 1, the lone slot on CUDA).
 
     python -m bench.static_step --model models/translate-en-it --data-dir data --sentences 16
@@ -152,8 +153,8 @@ def _measure(model_dir: Path, runtime: ModelRuntime, sources: Sequence[list[int]
         sessions["cuda_graph"] = f"CUDA graphs need the CUDA provider (this runtime is on {runtime.provider})"
     else:
         sessions["cuda_graph"] = _session_or_reason(lambda: static_session(model_dir, runtime, cuda_graph=True))
-    nodes = {way: len(onnx.load(str(step_graph_path(model_dir, runtime)), load_external_data=False).graph.node)
-             for way in sessions}
+    shipped = len(load_graph(step_graph_path(model_dir, runtime)).graph.node)  # as the rewrites read it
+    nodes = dict.fromkeys(sessions, shipped)
     for name, rewrite in graph_variants.items():
         way = f"{'cuda_graph' if cuda else 'static'}, {name}"
 
