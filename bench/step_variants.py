@@ -52,6 +52,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from bench import machine
+from export import fused_norms
 from export.fused_projections import fuse_shared_projections
 from export.kv_cache import QUANT_ATTRIBUTES, SCALE_INPUTS, has_int8_cache
 from service.repository import graph_io
@@ -72,46 +73,12 @@ def _int8_graphs(directory: Path) -> list[Path]:
 
 
 def fuse_skip_layer_norms(graph: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `graph` with each LayerNormalization over the last axis of an Add's sum and that
-    Add as one `SkipLayerNormalization` (onnxruntime's contrib operator: input, skip, gamma, beta,
-    the epsilon kept), whose fourth output is the sum where other nodes read it. A pair is left
-    alone where the norm's mean or deviation is read or a reader of the sum runs between the two.
-    Raises ValueError when the graph has no such pair (a variant must differ from the shipped graph)."""
+    """A copy of `graph` with each residual Add and its LayerNormalization as one
+    `SkipLayerNormalization` (`export.fused_norms`). Raises ValueError when the graph has no such
+    pair (a variant must differ from the shipped graph)."""
     graph = onnx.ModelProto.FromString(graph.SerializeToString())
-    body = graph.graph
-    nodes = list(body.node)
-    position = {id(node): i for i, node in enumerate(nodes)}
-    producers = {name: node for node in nodes for name in node.output}
-    readers: dict[str, list[int]] = {}
-    for i, node in enumerate(nodes):
-        for name in node.input:
-            readers.setdefault(name, []).append(i)
-    outputs = {value.name for value in body.output}
-    replaced: dict[int, onnx.NodeProto | None] = {}
-    for i, norm in enumerate(nodes):
-        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in norm.attribute}
-        if norm.op_type != "LayerNormalization" or attributes.get("axis", -1) != -1 or len(norm.input) < 2:
-            continue
-        add = producers.get(norm.input[0])
-        if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
-            continue
-        if any(name and (readers.get(name) or name in outputs) for name in norm.output[1:]):
-            continue
-        total = add.output[0]
-        later = [r for r in readers.get(total, []) if r != i]
-        if any(position[id(add)] < r < i for r in later):
-            continue
-        replaced[position[id(add)]] = None
-        replaced[i] = onnx.helper.make_node(
-            "SkipLayerNormalization", [add.input[0], add.input[1], norm.input[1], norm.input[2] if len(norm.input) > 2 else ""],
-            [norm.output[0], "", "", total if later or total in outputs else ""], name=f"{norm.name}_skip",
-            domain="com.microsoft", epsilon=float(attributes.get("epsilon", 1e-5)))
-    if not replaced:
+    if not fused_norms.fuse_skip_layer_norms(graph):
         raise ValueError("no Add followed by a LayerNormalization over the last axis to fuse")
-    del body.node[:]
-    body.node.extend(replaced.get(i, node) for i, node in enumerate(nodes) if replaced.get(i, node) is not None)
-    if not any(o.domain == "com.microsoft" for o in graph.opset_import):
-        graph.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
     return graph
 
 

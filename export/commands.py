@@ -274,6 +274,10 @@ def _register_update_step_graphs(subcommands: argparse._SubParsersAction) -> Non
                    help="also give the fp32 and fp16 step graphs each self-attention's query, key and value as "
                    "one packed product (the graph alone; not applied by the export: bench.static_step measures "
                    "it on a GPU)")
+    p.add_argument("--fuse-layer-norms", action="store_true",
+                   help="also give the fp32 and fp16 step graphs each residual Add and its LayerNormalization as "
+                   "one SkipLayerNormalization (the graph alone; checked within a tolerance, not to the last bit; "
+                   "not applied by the export: bench.static_step measures it on a GPU)")
     p.set_defaults(func=_update_step_graphs)
 
 
@@ -282,7 +286,8 @@ def _update_step_graphs(args: argparse.Namespace) -> int:
     from service.repository.manifest import ManifestError
 
     try:
-        changed = update_step_graphs(args.model_dir, float_projections=args.pack_float_projections)
+        changed = update_step_graphs(args.model_dir, float_projections=args.pack_float_projections,
+                                     layer_norms=args.fuse_layer_norms)
     except (ManifestError, RuntimeError, OSError) as error:
         logger.error("cannot update the step graphs of %s: %s", args.model_dir, error)
         return 2

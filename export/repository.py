@@ -18,6 +18,7 @@ from typing import Any
 import onnx
 import torch
 
+from export.fused_norms import fuse_skip_layer_norms
 from export.fused_projections import fuse_float_projections, fuse_shared_projections
 from export.kv_cache import last_source_inputs
 from export.onnx_export import DECODER_FILE, ENCODER_FILE, OPSET, export_graphs
@@ -358,16 +359,19 @@ def restored_on_failure(directory: Path, names: Iterable[str]) -> Iterator[None]
         raise
 
 
-def update_step_graphs(directory: str | Path, float_projections: bool = False) -> list[str]:
+def update_step_graphs(directory: str | Path, float_projections: bool = False, layer_norms: bool = False) -> list[str]:
     """Give the step graphs of the repository `directory` (`step_graph_files`) this exporter's
     graph passes (`share_input_shapes`, `select_before_projection`, for an int8 cache
     `kv_cache.last_source_inputs`, and for int8 graphs `fused_projections.fuse_shared_projections`;
-    with `float_projections` also `fused_projections.fuse_float_projections` for the float
-    graphs, a pass the export does not apply), in place: the graphs' nodes (and inputs) change; a
+    for the float graphs, passes the export does not apply, with `float_projections`
+    `fused_projections.fuse_float_projections` and with `layer_norms`
+    `fused_norms.fuse_skip_layer_norms`), in place: the graphs' nodes (and inputs) change; a
     fused int8 weight is appended to the graph's `weights.bin`, whose other weights stay where
     they are. Each changed graph must give the old one's outputs exactly on random inputs
-    (`_same_outputs`); the manifest then lists the new sha256s. Returns the graph files changed
-    (none when they have the passes already); on any failure the repository is left as it was."""
+    (`_same_outputs`), or, with fused layer norms, within `NORM_TOLERANCE` of the largest and the
+    same next token on every row; the manifest then lists the new sha256s. Returns the graph
+    files changed (none when they have the passes already); on any failure the repository is
+    left as it was."""
     from onnx.external_data_helper import load_external_data_for_model
 
     directory = Path(directory)
@@ -382,15 +386,16 @@ def update_step_graphs(directory: str | Path, float_projections: bool = False) -
             path = directory / name
             graph = onnx.load_model(str(path), load_external_data=False)
             changed = share_input_shapes(graph) + select_before_projection(graph) + last_source_inputs(graph)
-            fused = 0
+            fused = normed = 0
             integer = any(node.op_type == "MatMulInteger" for node in graph.graph.node)
             if integer:  # int8: its weights are read
                 with_weights = onnx.ModelProto()
                 with_weights.CopyFrom(graph)
                 load_external_data_for_model(with_weights, str(path.parent))
                 fused = fuse_shared_projections(with_weights)
-            elif float_projections:  # the graph alone: Concat nodes over the weights' casts
-                fused = fuse_float_projections(graph)
+            else:  # the float graphs, as asked: the graph alone changes, no weight is written
+                normed = fuse_skip_layer_norms(graph) if layer_norms else 0
+                fused = normed + (fuse_float_projections(graph) if float_projections else 0)
             if not changed + fused:
                 continue
             originals[name] = path.read_bytes()
@@ -398,7 +403,8 @@ def update_step_graphs(directory: str | Path, float_projections: bool = False) -
                 add_graphs(path.parent, {path.name: with_weights})
             else:
                 onnx.save_model(graph, str(path))
-            _same_outputs(path, originals[name], manifest.config.vocab_size, manifest.config.n_decoder_layers)
+            _same_outputs(path, originals[name], manifest.config.vocab_size, manifest.config.n_decoder_layers,
+                          tolerance=_norm_tolerance(graph) if normed else 0.0)
         if originals:
             write_manifest(directory, manifest)
             verify_files(directory, read_manifest(directory))
@@ -407,11 +413,23 @@ def update_step_graphs(directory: str | Path, float_projections: bool = False) -
     return list(originals)
 
 
-def _same_outputs(path: Path, original: bytes, vocab_size: int, layers: int, seed: int = 0) -> None:
+# fused layer norms: each output within this share of its largest value, fp32 and fp16 graphs
+NORM_TOLERANCE = {onnx.TensorProto.FLOAT: 1e-5, onnx.TensorProto.FLOAT16: 1e-3}
+
+
+def _norm_tolerance(graph: onnx.ModelProto) -> float:
+    """`NORM_TOLERANCE` of the step graph's cache type."""
+    cache = next(value for value in graph.graph.input if value.name == graph_io.past_names(1)[0])
+    return NORM_TOLERANCE[cache.type.tensor_type.elem_type]
+
+
+def _same_outputs(path: Path, original: bytes, vocab_size: int, layers: int, seed: int = 0,
+                  tolerance: float = 0.0) -> None:
     """The step graph at `path` gives exactly the outputs of the graph `original` (serialized,
     its weights beside `path`) on `random_graph_inputs` (the new graph's last source positions, if
     only it takes them, worked out from the same source mask and cross keys/values:
-    `step_buffers.last_source_feed`)."""
+    `step_buffers.last_source_feed`); with a `tolerance`, each output within that share of its
+    largest magnitude and the logits' largest on the same piece of every row."""
     import numpy as np
     import onnxruntime as ort
 
@@ -434,8 +452,13 @@ def _same_outputs(path: Path, original: bytes, vocab_size: int, layers: int, see
     except Exception as error:  # onnxruntime's own types
         raise RuntimeError(f"{path}: the graph fails on random inputs: {error}") from error
     for output, a, b in zip(sessions[1].get_outputs(), new, old, strict=True):
-        if not np.array_equal(a, b):
+        if not tolerance and not np.array_equal(a, b):
             raise RuntimeError(f"{path}: output {output.name} changed with the graph passes")
+        scale = max(1.0, float(np.abs(b.astype(np.float32)).max(initial=0.0)))
+        if tolerance and float(np.abs(a.astype(np.float32) - b.astype(np.float32)).max(initial=0.0)) > tolerance * scale:
+            raise RuntimeError(f"{path}: output {output.name} moved by more than {tolerance} of its largest value")
+        if tolerance and output.name == "logits" and not np.array_equal(a.argmax(axis=-1), b.argmax(axis=-1)):
+            raise RuntimeError(f"{path}: the fused graph chooses another next token")
 
 
 def _exporter_info() -> dict[str, Any]:
