@@ -5,10 +5,9 @@ the sum before the next sublayer: an `Add` whose output a `LayerNormalization` o
 axis reads. onnxruntime's contrib operator `SkipLayerNormalization` (input, skip, gamma, beta)
 computes both in one kernel and gives the sum as its fourth output where the residual stream
 goes on. onnxruntime's own fusion of this pair needs every shape known to its shape inference,
-which does not follow our step graphs (it fuses one pair of ten), so `fuse_skip_layer_norms`
-matches the pair on the graph's structure alone. The kernel normalizes the sum it computes in
-its own order: its outputs are not the same to the last bit (within 1e-5 in fp32 on the real
-models' step graphs), so a repository takes this pass only when asked (`update-step-graphs
+which does not follow our step graphs, so `fuse_skip_layer_norms` matches the pair on the graph's
+structure alone. The kernel normalizes the sum it computes in its own order, so its outputs are
+not the same to the last bit: a repository takes this pass only when asked (`update-step-graphs
 --fuse-layer-norms`), checked within a tolerance.
 """
 
