@@ -139,10 +139,7 @@ def fuse_shared_projections(graph: onnx.ModelProto, split: bool = False) -> int:
             body.initializer.append(numpy_helper.from_array(widths, f"{stem}_widths"))
             nodes.append(helper.make_node("Split", [packed, f"{stem}_widths"], [p.output for p in projections],
                                           name=f"{stem}_split", axis=-1))
-        for p in projections:
-            for node in p.nodes:
-                body.node.remove(node)
-        body.node.extend(nodes)
+        _replace_nodes(body, [node for p in projections for node in p.nodes], nodes)
         fused += 1
     if fused:
         _sort_topologically(body)
@@ -187,10 +184,7 @@ def fuse_float_projections(graph: onnx.ModelProto) -> int:
                 helper.make_node("Add", [f"{stem}_product", f"{stem}_bias"], [packed], name=f"{stem}_bias_add"),
             ]
         attention.input[0], attention.input[1], attention.input[2] = packed, "", ""
-        for chain in chains:
-            for node in chain.nodes:
-                body.node.remove(node)
-        body.node.extend(nodes)
+        _replace_nodes(body, [node for chain in chains for node in chain.nodes], nodes)
         fused += 1
     if fused:
         _sort_topologically(body)
@@ -258,6 +252,13 @@ def _edges(body: onnx.GraphProto) -> tuple[dict[str, list[onnx.NodeProto]], dict
         for name in node.output:
             producer[name] = node
     return consumers, producer
+
+
+def _replace_nodes(body: onnx.GraphProto, old: list[onnx.NodeProto], new: list[onnx.NodeProto]) -> None:
+    """Take `old` out of the graph and append `new` (the caller sorts the graph afterwards)."""
+    for node in old:
+        body.node.remove(node)
+    body.node.extend(new)
 
 
 def _sort_topologically(body: onnx.GraphProto) -> None:
