@@ -27,6 +27,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -48,13 +49,15 @@ class Sample:
     """One request: when it was sent (seconds from the run's start), its status, its latency,
     the output tokens its response reports, and what went wrong: the exception's class name for
     a transport error (status 0), the status and the start of the body for an HTTP error, or a
-    generation response without its outputs."""
+    generation response without its outputs; and the stage times (milliseconds) of its
+    `Server-Timing` header."""
 
     sent_s: float
     status: int
     latency_s: float
     error: str = ""
     output_tokens: int = 0
+    server_timing: tuple[tuple[str, float], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -89,6 +92,18 @@ class LoadResult:
     @property
     def error_samples(self) -> list[str]:
         return [s.error for s in self.samples if s.error][:ERROR_SAMPLES]
+
+    def server_timing_ms(self) -> dict[str, float]:
+        """The median of each `Server-Timing` stage over the answered requests that report it,
+        in milliseconds, with the client's own latency (`client`) over the same requests."""
+        timed = [s for s in self.samples if s.ok and s.server_timing]
+        stages: dict[str, list[float]] = {}
+        for sample in timed:
+            for name, ms in sample.server_timing:
+                stages.setdefault(name, []).append(ms)
+        if timed:
+            stages["client"] = [s.latency_s * 1000 for s in timed]
+        return {name: round(statistics.median(values), 3) for name, values in stages.items()}
 
     def stats(self) -> RunStats:
         """Throughput and latency percentiles of the answered requests over `elapsed_s`."""
@@ -140,6 +155,7 @@ class LoadResult:
             "probe_failures": sum(1 for p in self.probes if p.status != 200),
             "probe_errors": dict(Counter(p.error for p in self.probes if p.error)),
             "probe_max_ms": round(max(probe_latencies, default=0.0) * 1000, 1),
+            "server_timing_p50_ms": self.server_timing_ms(),
         }
 
     def _window(self, start_s: float, end_s: float) -> list[Sample]:
@@ -161,11 +177,12 @@ async def request(session: aiohttp.ClientSession, url: str, body: Any, t0: float
     when it was sent), its send time from `t0`. A 2xx answer to a POST must carry `outputs`,
     whose `output_tokens` are counted."""
     sent = time.perf_counter()
-    error, tokens = "", 0
+    error, tokens, timing = "", 0, ""
     try:
         async with session.request(method, url, json=body, headers=headers or {}) as response:
             data = await response.read()
             status = response.status
+            timing = response.headers.get("Server-Timing", "")
     except (aiohttp.ClientError, TimeoutError) as exc:
         status, error = TRANSPORT_ERROR, type(exc).__name__
     else:
@@ -177,7 +194,23 @@ async def request(session: aiohttp.ClientSession, url: str, body: Any, t0: float
             except (KeyError, ValueError, TypeError, AttributeError) as exc:
                 error = f"a response without outputs: {type(exc).__name__}"
     return Sample(sent - t0, status, time.perf_counter() - (sent if since is None else since),
-                  error, tokens)
+                  error, tokens, parse_server_timing(timing))
+
+
+def parse_server_timing(value: str) -> tuple[tuple[str, float], ...]:
+    """(name, milliseconds) of each metric of a `Server-Timing` header value that has a
+    `dur` (W3C Server Timing: `name;dur=1.5;desc="..."`, comma-separated)."""
+    stages = []
+    for metric in value.split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        for param in params:
+            key, _, raw = param.partition("=")
+            if name and key.strip() == "dur":
+                try:
+                    stages.append((name, float(raw.strip().strip('"'))))
+                except ValueError:
+                    pass
+    return tuple(stages)
 
 
 def arrival_times(rate: float, count: int, seed: int = 0) -> list[float]:

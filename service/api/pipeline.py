@@ -32,6 +32,7 @@ from service.core.errors import DeadlineExceeded, InvalidInput
 from service.core.registry import ModelEntry
 from service.core.settings import Settings
 from service.observability import metrics
+from service.observability.timing import RequestTiming
 from service.runtime.protocol import Runtime
 
 T = TypeVar("T")
@@ -124,15 +125,17 @@ def prepare(
 
 async def generate(
     prepared: Prepared, settings: Settings, deadline: Deadline | None = None,
-    request: Request | None = None,
+    request: Request | None = None, timing: RequestTiming | None = None,
 ) -> list[Generated]:
     """Every row of the request through the batcher, within the request's deadline (default
-    `request_timeout_s`); with `request`, dropped as soon as its client goes away."""
+    `request_timeout_s`); with `request`, dropped as soon as its client goes away; `timing`
+    records the rows' passage through the batcher."""
     entry = prepared.entry
     assert entry.batcher is not None
     submitted: Awaitable[list[Generated]] = entry.batcher.submit(
         prepared.sources, prepared.beam_size, prepared.max_new_tokens,
         deadline.at if deadline is not None else None, hooks=prepared.options.hooks(len(prepared.sources)),
+        timing=timing,
     )
     return await within_deadline(submitted, entry, prepared.started, settings,
                                  budget_s=deadline.budget_s if deadline is not None else None,

@@ -27,6 +27,7 @@ from service.batching.policy import BatchLimits, RowKey
 from service.core.errors import DeadlineExceeded, NotReady, Overloaded
 from service.generation.hooks import RowHooks
 from service.observability import metrics
+from service.observability.timing import RequestTiming
 
 
 @dataclass(eq=False)
@@ -40,6 +41,7 @@ class QueuedRow:
     enqueued_at: float = field(default_factory=time.perf_counter)
     deadline: float | None = None  # perf_counter seconds
     started_at: float = 0.0  # when it joined a batch
+    timing: RequestTiming | None = None  # its request's stage times (`Server-Timing`)
 
     @property
     def done(self) -> bool:

@@ -47,6 +47,7 @@ from service.batching.stepper import Stepper
 from service.core.errors import InternalError, NotReady
 from service.generation.hooks import RowHooks
 from service.observability import metrics
+from service.observability.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -230,16 +231,18 @@ class Batcher:
     async def submit(
         self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
         deadline: float | None = None, hooks: Sequence[RowHooks | None] | None = None,
+        timing: RequestTiming | None = None,
     ) -> list[Generated]:
         """Generate for every source (ids ending with EOS); results in the same order; `hooks`,
         one per source, carry what each row asks of the decoding (`RowHooks`).
 
         Raises `Overloaded` when the rows do not fit in the queue, `NotReady` while draining,
         `DeadlineExceeded` when a row was still queued at `deadline` (`perf_counter`),
-        `InternalError` when the batch of any row failed.
+        `InternalError` when the batch of any row failed. `timing` records the rows' passage
+        (`RequestTiming`).
         """
-        return await results(self.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline),
-                             self.cancel)
+        return await results(self.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline,
+                                          timing=timing), self.cancel)
 
     def enqueue(
         self,
@@ -248,6 +251,7 @@ class Batcher:
         max_new_tokens: int,
         hooks: Sequence[RowHooks | None] | None = None,
         deadline: float | None = None,
+        timing: RequestTiming | None = None,
     ) -> list[asyncio.Future[Generated]]:
         """Admit all rows of one request, or none; returns one future per row.
 
@@ -261,9 +265,12 @@ class Batcher:
         if len(given) != len(sources):
             raise ValueError(f"{len(given)} hooks for {len(sources)} sources")
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))  # shortest first
-        rows = [QueuedRow(list(sources[i]), key, loop.create_future(), given[i] or RowHooks(), deadline=deadline)
+        rows = [QueuedRow(list(sources[i]), key, loop.create_future(), given[i] or RowHooks(), deadline=deadline,
+                          timing=timing)
                 for i in order]
         self._queue.admit(rows)
+        if timing is not None:
+            timing.queued(rows[0].enqueued_at)
         self._idle.clear()
         self._arrived.set()
         self._filling.set()
@@ -430,6 +437,8 @@ class Batcher:
         for row in joiners:
             row.started_at = started
             metrics.QUEUE_DURATION_SECONDS.labels(self.model).observe(started - row.enqueued_at)
+            if row.timing is not None:
+                row.timing.admitted(started, row.enqueued_at)
         self.counters.batches += 1
         self.counters.rows += len(joiners)
         self._decoding.extend(joiners)
@@ -477,6 +486,8 @@ class Batcher:
         self._recount()
         for row, result in finished:
             self._observe(row, result, now - row.started_at)
+            if row.timing is not None:
+                row.timing.finished_at(now)
             if not row.future.done():
                 row.future.set_result(result)
         self._arrived.set()  # room in the running batch: the loop may admit waiting rows
@@ -487,6 +498,8 @@ class Batcher:
         key = rows[0].key
         for row in rows:
             metrics.QUEUE_DURATION_SECONDS.labels(self.model).observe(started - row.enqueued_at)
+            if row.timing is not None:
+                row.timing.admitted(started, row.enqueued_at)
         metrics.BATCH_SIZE.labels(self.model).observe(len(rows))
         self.counters.batches += 1
         self.counters.rows += len(rows)
@@ -517,6 +530,8 @@ class Batcher:
                               if result.finish_reason == "cancelled"])
         for row, result in zip(rows, results, strict=True):
             self._observe(row, result, elapsed)
+            if row.timing is not None:
+                row.timing.finished_at(started + elapsed)
             if not row.future.done():
                 row.future.set_result(result)
 

@@ -42,6 +42,7 @@ from service.batching.batcher import BatchCounters, Batcher, Generated, results
 from service.batching.policy import BatchLimits
 from service.generation.hooks import RowHooks
 from service.observability import metrics
+from service.observability.timing import RequestTiming
 
 T = TypeVar("T")
 
@@ -151,14 +152,16 @@ class BatcherPool:
 
     async def submit(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                      deadline: float | None = None,
-                     hooks: Sequence[RowHooks | None] | None = None) -> list[Generated]:
+                     hooks: Sequence[RowHooks | None] | None = None,
+                     timing: RequestTiming | None = None) -> list[Generated]:
         """`Batcher.submit` over the pool: the rows dealt out (`enqueue`), the results in order."""
-        return await results(self.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline),
-                             self.cancel)
+        return await results(self.enqueue(sources, beam_size, max_new_tokens, hooks=hooks, deadline=deadline,
+                                          timing=timing), self.cancel)
 
     def enqueue(self, sources: list[list[int]], beam_size: int, max_new_tokens: int,
                 hooks: Sequence[RowHooks | None] | None = None,
-                deadline: float | None = None) -> list[asyncio.Future[Generated]]:
+                deadline: float | None = None,
+                timing: RequestTiming | None = None) -> list[asyncio.Future[Generated]]:
         """`Batcher.enqueue` of each part of the request on its batcher (`_parts`), one future
         per row in the request's order; `cancel` finds each row's batcher again. All rows are
         admitted or none."""
@@ -169,7 +172,7 @@ class BatcherPool:
         try:
             for batcher, part in self._parts(sources, deadline):
                 taken = batcher.enqueue([sources[i] for i in part], beam_size, max_new_tokens,
-                                        hooks=[given[i] for i in part], deadline=deadline)
+                                        hooks=[given[i] for i in part], deadline=deadline, timing=timing)
                 for i, future in zip(part, taken, strict=True):
                     futures[i] = future
                     self._owners[future] = batcher

@@ -1,8 +1,8 @@
 """The worker-thread side of continuous batching: step the running batch between arrivals.
 
 The event loop hands rows over (`hand_over`); the worker adds them to the running batch
-(`concatenate`) before its next decoder step, steps (`generate_token`), and reports the rows
-that finished to the event loop, until the batch is empty or the loop interrupts it (a row the
+(`concatenate`, its time given to the joiners' `RequestTiming`) before its next decoder step,
+steps (`generate_token`), and reports the rows that finished to the event loop, until the batch is empty or the loop interrupts it (a row the
 batch cannot take, a `run` call, shutdown). Only the worker touches the batch while it steps.
 After rows join or leave it reads the bytes the batch's keys/values hold (`cache_bytes`) and,
 when they changed, calls `on_cache` (from the worker thread).
@@ -81,9 +81,13 @@ class Stepper:
             with self._inbox_lock:
                 joiners, self._inbox = self._inbox, []
             if joiners:
+                started = time.perf_counter()
                 batch.concatenate([row.source for row in joiners], joiners,
                                   [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners],
                                   beam_sizes=[row.key.beam_size for row in joiners])
+                took = time.perf_counter() - started
+                for timing in {id(row.timing): row.timing for row in joiners if row.timing is not None}.values():
+                    timing.joined(took)
                 metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
                 self._read_cache()
             if not len(batch) or self._interrupt.is_set():

@@ -18,6 +18,7 @@ from bench.load import (
     client,
     closed_loop,
     open_loop,
+    parse_server_timing,
     request,
     text_bodies,
 )
@@ -73,8 +74,9 @@ def test_arrival_times_are_poisson_at_the_rate() -> None:
 
 
 async def _translate_server(received: list[str]) -> tuple[web.AppRunner, int]:
-    """An aiohttp server whose /v1/translate reports one output token per character, and
-    answers 500 to the text "fail" and a body without outputs to "bare"."""
+    """An aiohttp server whose /v1/translate reports one output token per character (and an
+    inference of a millisecond per character in its `Server-Timing`), and answers 500 to the
+    text "fail" and a body without outputs to "bare"."""
 
     async def translate(req: web.Request) -> web.Response:
         text = (await req.json())["text"]
@@ -83,7 +85,8 @@ async def _translate_server(received: list[str]) -> tuple[web.AppRunner, int]:
             return web.json_response({"error": "boom"}, status=500)
         if text == "bare":
             return web.json_response({})
-        return web.json_response({"outputs": [{"output_tokens": len(text)}]})
+        return web.json_response({"outputs": [{"output_tokens": len(text)}]}, headers={
+            "Server-Timing": f'prepare;dur=0.5, cache;desc="hit", inference;dur={len(text)};desc="x"'})
 
     app = web.Application()
     app.router.add_post("/v1/translate", translate)
@@ -126,6 +129,15 @@ def test_a_closed_loop_counts_http_errors_and_answers_without_outputs() -> None:
     assert result.statuses() == {200: 3, 500: 1}
     assert sorted(e.split(":")[0] for e in result.error_samples) == ["HTTP 500", "a response without outputs"]
     assert result.summary()["transport_errors"] == {}  # HTTP errors are not lost requests
+    timing = result.summary()["server_timing_p50_ms"]  # over "ab" and "c"; a metric without dur left out
+    assert set(timing) == {"prepare", "inference", "client"}
+    assert timing["prepare"] == 0.5 and timing["inference"] == 1.5 and timing["client"] > 0
+
+
+def test_server_timing_values_are_read_leniently() -> None:
+    assert parse_server_timing("") == ()
+    assert parse_server_timing('a;dur=1.25, b;desc="no dur", c;dur="2", d;dur=x, ;dur=3') == (
+        ("a", 1.25), ("c", 2.0))
 
 
 def test_merged_load_results_pool_requests_and_time() -> None:

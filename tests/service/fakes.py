@@ -142,10 +142,11 @@ ROW_CACHE_BYTES = 1000  # what a row of `FakeRunningBatch` holds
 @dataclass
 class FakeRunningBatch:
     """Continuous batching with the fake model's outputs: one reversed token per `step` (after
-    `step_delay_s`), rows leave when done; records the owners of every step. A source holding
-    `UNK` makes the step after it joined raise."""
+    `step_delay_s`), rows leave when done (a join takes `join_delay_s`); records the owners of
+    every step. A source holding `UNK` makes the step after it joined raise."""
 
     step_delay_s: float = 0.0
+    join_delay_s: float = 0.0
     steps: list[list[Any]] = field(default_factory=list)  # the owners decoding at each step
     threads: set[str] = field(default_factory=set)
     members: list[_Member] = field(default_factory=list)
@@ -167,6 +168,8 @@ class FakeRunningBatch:
     def concatenate(self, sources: Sequence[list[int]], owners: Sequence[Any], max_new_tokens: Sequence[int],
             hooks: Sequence[Any] | None = None, beam_sizes: Sequence[int] | None = None) -> None:
         assert beam_sizes is None or set(beam_sizes) == {1}, "greedy rows only"
+        if self.join_delay_s:
+            time.sleep(self.join_delay_s)
         hooks = hooks if hooks is not None else [None] * len(sources)
         self.members += [_Member(owner, reverse(source, limit), hook)
                          for source, owner, limit, hook in zip(sources, owners, max_new_tokens, hooks, strict=True)]

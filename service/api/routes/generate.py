@@ -12,7 +12,8 @@ Server-Sent Events (`service.api.streaming`), the alignment in its final event. 
 n-best hypotheses and a target prefix: `service.api.decode_options`. Translation splits long
 texts into sentences, unless a request asks for attention, alignments, scores, hypotheses or a
 target prefix (each relates one source to one output); summarization refuses a text longer than
-the model's window unless `truncate`.
+the model's window unless `truncate`. A JSON answer carries the request's stage times in its
+`Server-Timing` header (`service.observability.timing`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
 from service.core.registry import ModelRegistry
 from service.core.settings import Settings
 from service.generation import attention_maps
+from service.observability.timing import SERVER_TIMING, RequestTiming
 from service.runtime.protocol import Runtime
 
 router = APIRouter(tags=["generate"])
@@ -54,29 +56,31 @@ GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
 @router.post("/v1/translate", response_model=GenerateResponse, responses=GENERATE_RESPONSES,
              response_model_exclude_none=True)
 async def translate(
-    body: GenerateRequest, request: Request, serving: JsonInferenceDep
+    body: GenerateRequest, request: Request, response: Response, serving: JsonInferenceDep
 ) -> Any:
     """Translate one text or a list of texts with a translation model."""
-    return await _generate("translate", body, request, serving.registry, serving.settings)
+    return await _generate("translate", body, request, response, serving.registry, serving.settings)
 
 
 @router.post("/v1/summarize", response_model=GenerateResponse, responses=GENERATE_RESPONSES,
              response_model_exclude_none=True)
 async def summarize(
-    body: GenerateRequest, request: Request, serving: JsonInferenceDep
+    body: GenerateRequest, request: Request, response: Response, serving: JsonInferenceDep
 ) -> Any:
     """Summarize one text or a list of texts with a summarization model."""
-    return await _generate("summarize", body, request, serving.registry, serving.settings)
+    return await _generate("summarize", body, request, response, serving.registry, serving.settings)
 
 
 async def _generate(
     task: str,
     body: GenerateRequest,
     request: Request,
+    response: Response,
     registry: ModelRegistry,
     settings: Settings,
 ) -> GenerateResponse | Response:
     started = time.perf_counter()
+    timing = RequestTiming(started)
     entry = registry.resolve(task, body.model)
     request.state.model = entry.name  # the metrics label of this request
     assert entry.runtime is not None and entry.batcher is not None
@@ -99,7 +103,7 @@ async def _generate(
         return streaming.stream(prepared, request.receive, settings, deadline,
                                 alignment=body.return_alignment)
     sources = prepared.sources
-    results = await pipeline.generate(prepared, settings, deadline, request)
+    results = await pipeline.generate(prepared, settings, deadline, request, timing)
     extras: list[dict[str, Any]] = [{} for _ in texts]  # one per text
     if maps_runtime is not None and body.return_alignment:
         found = await within_deadline(
@@ -123,7 +127,9 @@ async def _generate(
         for extra, result in zip(extras, results, strict=True):
             extra.update(options.extras(runtime, result))
     outputs = pipeline.outputs(prepared, results, extras)
-    return GenerateResponse(model=entry.name, outputs=outputs, usage=pipeline.usage(outputs))
+    answer = GenerateResponse(model=entry.name, outputs=outputs, usage=pipeline.usage(outputs))
+    response.headers[SERVER_TIMING] = timing.header(time.perf_counter())
+    return answer
 
 
 def _alignment_labels(

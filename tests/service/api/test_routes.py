@@ -344,3 +344,19 @@ async def test_a_batch_holds_the_providers_default_rows(make_app: AppFactory, fa
         assert all(r.status_code == 200 for r in await asyncio.gather(first, *queued))
     sizes = [len(b) for b in fake_model.batches[started + 1:]]
     assert sum(sizes) == 300 and sizes[0] == rows == max(sizes)
+
+
+async def test_an_answer_carries_its_stage_times_in_server_timing(make_app: AppFactory,
+                                                                  fake_model: FakeModel) -> None:
+    fake_model.delay_s = 0.03
+    async with serving(make_app()) as client:
+        response = await client.post("/v1/summarize", json={"texts": ["abc", "hello"]})
+        streamed = await client.post("/v1/translate", json={"text": "abc", "stream": True})
+    assert response.status_code == 200
+    metrics = [part.strip().split(";") for part in response.headers["server-timing"].split(",")]
+    names = [name for name, _ in metrics]
+    assert names[0] == "prepare" and names[-1] == "total" and "queue" in names and "inference" in names
+    durations = {name: float(dur.removeprefix("dur=")) for name, dur in metrics}
+    assert durations["inference"] >= 30  # the fake model's batch
+    assert durations["total"] >= durations["inference"] + durations["prepare"]
+    assert "server-timing" not in streamed.headers  # its headers leave before the work

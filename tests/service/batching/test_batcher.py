@@ -13,6 +13,7 @@ from service.batching.policy import BatchLimits
 from service.core.errors import DeadlineExceeded, InternalError, NotReady, Overloaded
 from service.generation.hooks import RowHooks
 from service.observability import metrics
+from service.observability.timing import RequestTiming
 from tests.service.fakes import EOS, UNK, FakeModel, reverse
 
 pytestmark = pytest.mark.anyio
@@ -334,4 +335,19 @@ async def test_rows_that_would_miss_their_deadline_at_the_drain_rate_are_refused
     # what the HTTP layer asks before reading a body: would one row be refused?
     assert batcher.out_of_reach(0.001) == "expected_wait"
     assert batcher.out_of_reach(5.0) is None
+    await batcher.close(1)
+
+
+async def test_a_request_level_batch_times_its_wait_and_its_batch() -> None:
+    model = FakeModel(delay_s=0.04)
+    batcher = make(model, "timing", max_batch_size=1)
+    first = asyncio.ensure_future(batcher.submit([[5, 6, EOS]], 1, 8))  # holds the worker for 40 ms
+    await asyncio.sleep(0.005)
+    timing = RequestTiming(time.perf_counter())
+    await batcher.submit([[7, 8, EOS]], 1, 8, timing=timing)  # waits for the first batch, then its own
+    stages = dict(timing.stages(time.perf_counter()))
+    assert list(stages) == ["prepare", "queue", "inference", "total"]  # no join: not a running batch
+    assert stages["queue"] >= 20 and stages["inference"] >= 40
+    assert stages["total"] >= stages["queue"] + stages["inference"]
+    await first
     await batcher.close(1)

@@ -17,6 +17,7 @@ from service.core.errors import InternalError
 from service.generation.hooks import RowHooks
 from service.generation.search import generate
 from service.observability import metrics
+from service.observability.timing import RequestTiming
 from service.runtime import ModelRuntime
 from tests.service.fakes import EOS, ROW_CACHE_BYTES, UNK, FakeModel, FakeRunningBatch, reverse
 
@@ -354,3 +355,19 @@ def test_oldest_age_counts_the_steps_of_the_oldest_live_row(tiny_runtime: ModelR
     batch.concatenate([[8, EOS]], ["new"], [50])
     batch.generate_token()
     assert batch.oldest_age == 3
+
+
+async def test_a_requests_timing_counts_its_join_once_and_its_steps() -> None:
+    running = FakeRunningBatch(step_delay_s=0.005, join_delay_s=0.03)
+    batcher = make("c-timing", running)
+    timing = RequestTiming(time.perf_counter())
+    began = time.perf_counter()
+    await batcher.submit([source(3), source(4, start=40)], 1, 100, timing=timing)  # both join in one call
+    ended = time.perf_counter()
+    stages = dict(timing.stages(ended))
+    assert list(stages) == ["prepare", "queue", "join", "inference", "total"]
+    assert 30 <= stages["join"] < 55  # the one join, not once per row
+    assert stages["inference"] >= stages["join"] + 5 * 5  # the join and 5 steps of 5 ms (4 tokens + EOS)
+    assert stages["inference"] <= (ended - began) * 1000
+    assert stages["queue"] < 20 and stages["total"] >= stages["inference"]
+    await batcher.close(1)
