@@ -13,7 +13,7 @@ n-best hypotheses and a target prefix: `service.api.decode_options`. Translation
 texts into sentences, unless a request asks for attention, alignments, scores, hypotheses or a
 target prefix (each relates one source to one output); summarization refuses a text longer than
 the model's window unless `truncate`. A JSON answer carries the request's stage times in its
-`Server-Timing` header (`service.observability.timing`).
+`Server-Timing` header (`service.observability.timing`; KServe v2's `infer` answers it too).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from service.api.errors import describe_validation_errors, status_of
 from service.api.routes.deps import AuthorizedDep, RegistryDep
 from service.core.errors import ModelNotFound, ServiceError, shorten
 from service.core.registry import ModelEntry, ModelRegistry
+from service.observability.timing import SERVER_TIMING, RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +144,9 @@ async def infer(
     name: str, request: Request, serving: AuthorizedDep,
     version: str = open_inference.MODEL_VERSION,
 ) -> Response:
-    """Generate for every element of the BYTES input `text`; JSON or binary tensors."""
+    """Generate for every element of the BYTES input `text`; JSON or binary tensors; the
+    request's stage times in `Server-Timing` (`service.observability.timing`)."""
+    timing = RequestTiming(time.perf_counter())
     registry, settings = serving.registry, serving.settings
     _known(registry, name, version)
     entry = registry.resolve(None, name)
@@ -159,7 +163,7 @@ async def infer(
                              target_prefix=inference.target_prefix, where="parameters.target_prefix")
     prepared = dataclasses.replace(prepared, options=options)
     deadline = request_deadline(request, None, settings, prepared.started)  # header only
-    results = await pipeline.generate(prepared, settings, deadline, request)
+    results = await pipeline.generate(prepared, settings, deadline, request, timing)
     outputs = pipeline.outputs(prepared, results)
     values: dict[str, Any] = {"output": [o.text for o in outputs],
                               "finish_reason": [o.finish_reason for o in outputs]}
@@ -167,10 +171,11 @@ async def infer(
         values[open_inference.SCORE] = [options.extras(prepared.runtime, r).get("score", math.nan)
                                         for r in results]
     body, header_length = open_inference.response_body(entry.name, inference, values)
+    headers = {SERVER_TIMING: timing.header(time.perf_counter())}
     if header_length is None:
-        return Response(body, media_type="application/json")
+        return Response(body, media_type="application/json", headers=headers)
     return Response(body, media_type="application/octet-stream",
-                    headers={open_inference.HEADER_LENGTH: str(header_length)})
+                    headers={**headers, open_inference.HEADER_LENGTH: str(header_length)})
 
 
 def _known(registry: ModelRegistry, name: str, version: str) -> ModelEntry:

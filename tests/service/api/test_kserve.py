@@ -205,6 +205,9 @@ async def test_protocol_errors_and_statuses(make_app: AppFactory) -> None:
     assert not_json.status_code == 400 and "JSON" in not_json.json()["error"]
     assert live.status_code == 200 and live.content == b""
     assert ok.status_code == 200, ok.text
+    timing = [metric.split(";")[0].strip() for metric in ok.headers["server-timing"].split(",")]
+    assert timing[0] == "prepare" and "inference" in timing and timing[-1] == "total"
+    assert "server-timing" not in not_json.headers  # refused before any stage
     assert ok.json() == {
         "model_name": "summarize-en", "model_version": "1", "id": "x",
         "outputs": [
