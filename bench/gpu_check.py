@@ -375,10 +375,11 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
                 served = next(m for m in info["models"] if m["name"] == model)
                 report["service_provider"], report["service_variant"] = served["provider"], served["variant"]
                 report["service_step_graph"] = served.get("step_graph")
-                report["service"] = {}
+                report["service"], report["service_server_timing"] = {}, {}
                 for clients in concurrency:  # one client at a time: the first ALONE sentences, as in-process
                     result = asyncio.run(closed_loop(url, text_bodies(texts if clients > 1 else texts[:ALONE]), clients))
                     report["service"][str(clients)] = result.stats().to_dict()
+                    report["service_server_timing"][str(clients)] = result.server_timing_ms()
                 report["memory_during_service"] = served_gpu(server)
                 report["service_peak_rss_mib"] = server.rss.peak_bytes / 2**20 if server.rss else None
                 report["service_batch_sizes"] = {str(rows): report["service"][str(max(concurrency))]}
@@ -415,7 +416,8 @@ def measure(models: Path, model: str, texts_dir: Path, provider: str, sentences:
     if "1" in report["service"]:  # the single request's latency (the bound: 10 ms on a GPU)
         report["latency_target"] = {"service_p50_s": report["service"]["1"]["latency_p50_s"],
                                     "in_process_alone_p50_s": report["in_process_alone"]["latency_p50_s"],
-                                    "bound_s": LATENCY_BOUND_S}
+                                    "bound_s": LATENCY_BOUND_S,
+                                    "server_timing_ms": report["service_server_timing"].get("1", {})}
     return report
 
 
@@ -588,6 +590,10 @@ def markdown(results: dict[str, Any]) -> str:
             lines += ["", (f"p50 of a single request: service {latency['service_p50_s'] * 1000:.1f} ms, the graphs "
                            f"in-process {latency['in_process_alone_p50_s'] * 1000:.1f} ms "
                            f"(bound ≤ {latency['bound_s'] * 1000:.0f} ms: {status}).")]
+            stages = latency.get("server_timing_ms")
+            if stages:  # the service's own account of where that time went
+                lines[-1] += " Its stages (`Server-Timing`, medians): " + ", ".join(
+                    f"{name} {ms:.2f} ms" for name, ms in stages.items()) + "."
         if report.get("skipped"):
             lines += ["", "Not run, past `--budget-s`: " + "; ".join(
                 f"the service {run['mode']}, {run['max_batch_size']} rows per batch"

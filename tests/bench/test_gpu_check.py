@@ -104,6 +104,9 @@ def test_a_dry_run_on_the_cpu_writes_every_part(tiny_model_repository: Path, tmp
     assert "| ONNX in-process, one sentence at a time (16 sentences) |" in text
     assert report["latency_target"]["service_p50_s"] == report["service"]["1"]["latency_p50_s"]
     assert "p50 of a single request: service " in text
+    stages = report["latency_target"]["server_timing_ms"]  # the service's Server-Timing at concurrency 1
+    assert stages == report["service_server_timing"]["1"] and stages["total"] <= stages["client"]
+    assert {"prepare", "queue", "inference"} <= set(stages) and "Its stages (`Server-Timing`, medians): prepare " in text
     assert "Continuous batching on the step graph in-process (64 slots, 8 newcomers per join)" in text
     assert f"(the encoder {running['encode_s']:.2f} s over {running['encodes']} calls)" in text
     assert "One sentence at a time on the step graph in-process (the service's path at concurrency 1, 16 sentences)" in text
