@@ -17,7 +17,8 @@ client's own latency minus `total` is what they and the network took.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 SERVER_TIMING = "Server-Timing"  # the response header
 
@@ -25,8 +26,9 @@ SERVER_TIMING = "Server-Timing"  # the response header
 @dataclass(eq=False)
 class RequestTiming:
     """One request's stage times (`perf_counter` seconds). The batcher's event loop sets the
-    times; `join_s` grows in the model's worker thread before the rows' futures resolve, so the
-    route reads a complete record once every row is done."""
+    times; `join_s` grows in the model's worker threads (a request dealt over several batch
+    workers joins in each) before the rows' futures resolve, so the route reads a complete record
+    once every row is done."""
 
     started: float  # the route began
     enqueued: float | None = None  # its rows entered the batcher's queue
@@ -34,6 +36,7 @@ class RequestTiming:
     longest_wait_s: float = 0.0  # the longest a row waited in the queue
     join_s: float = 0.0  # worker seconds of the joins that added its rows
     finished: float | None = None  # its last row finished
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def queued(self, now: float) -> None:
         """Its rows entered the queue at `now`."""
@@ -46,8 +49,9 @@ class RequestTiming:
         self.longest_wait_s = max(self.longest_wait_s, now - enqueued_at)
 
     def joined(self, seconds: float) -> None:
-        """A join that added some of its rows took `seconds` (call once per join)."""
-        self.join_s += seconds
+        """A join that added some of its rows took `seconds` (call once per join; any thread)."""
+        with self._lock:
+            self.join_s += seconds
 
     def finished_at(self, now: float) -> None:
         """One of its rows finished at `now`."""
