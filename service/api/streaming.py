@@ -6,7 +6,7 @@ unknown models are ordinary JSON errors. Then the body (`text/event-stream`) is 
 
     data: {"index": 0, "token": {"id": 9, "piece": "▁ciao"}, "delta": "ciao", "text": "ciao"}
     ...
-    data: {"done": true, "model": "...", "delta": "", "output": {...}, "usage": {...}}
+    data: {"done": true, "model": "...", "delta": "", "output": {...}, "usage": {...}, "timing": {...}}
 
 `text` is the detokenized output so far and `delta` what it adds to the text sent before, so
 the deltas of all events (the final one included) concatenate to the output. A text that a
@@ -19,7 +19,9 @@ streams each token as the worker thread decodes it (`RowHooks.on_token`, handed 
 loop with `call_soon_threadsafe`); beam search streams the tokens of the final hypothesis once
 it is chosen. With `return_alignment`, the final event's output carries the word alignment
 (one teacher-forced pass once the row finished, in the model's worker thread); with
-`return_scores` or `num_hypotheses`, its scores and hypotheses (token events carry none). A
+`return_scores` or `num_hypotheses`, its scores and hypotheses (token events carry none). The
+final event's `timing` is the request's stages in milliseconds, as a JSON answer's `Server-Timing`
+header gives them (`service.observability.timing`). A
 target prefix's tokens are streamed first, as the decoder is forced through them. A failure after
 the stream started is one last event with the error body
 (`{"error": ..., "error_type": ...}`). When the client goes away, the row is cancelled: it
@@ -47,6 +49,7 @@ from service.core.errors import DeadlineExceeded, InternalError, ServiceError
 from service.core.settings import Settings
 from service.generation import attention_maps
 from service.observability import metrics
+from service.observability.timing import RequestTiming
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +64,12 @@ def event(data: dict[str, Any]) -> bytes:
 
 def stream(
     prepared: Prepared, receive: Receive, settings: Settings, deadline: Deadline | None = None,
-    alignment: bool = False,
+    alignment: bool = False, timing: RequestTiming | None = None,
 ) -> StreamingResponse:
     """Admit the request's rows (of its one text; raising `Overloaded`/`NotReady` now) and
     stream them, within `deadline` (default `request_timeout_s`); with `alignment` (one row:
-    the route keeps the text whole), the final event's output has its word alignment."""
+    the route keeps the text whole), the final event's output has its word alignment; with
+    `timing`, the final event has the request's stages."""
     batcher = prepared.entry.batcher
     assert batcher is not None and len(prepared.texts) == 1
     loop = asyncio.get_running_loop()
@@ -74,11 +78,11 @@ def stream(
         prepared.sources, prepared.beam_size, prepared.max_new_tokens,
         hooks=[prepared.options.row_hooks(row, on_token=_threadsafe_put(loop, queue))
                for row, queue in enumerate(queues)],
-        deadline=deadline.at if deadline is not None else None,
+        deadline=deadline.at if deadline is not None else None, timing=timing,
     )
     budget_s = deadline.budget_s if deadline is not None else settings.request_timeout_s
     body = _events(prepared, list(zip(futures, queues, strict=True)), receive, budget_s,
-                   settings if alignment else None)
+                   settings if alignment else None, timing)
     return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
 
 
@@ -130,8 +134,10 @@ async def _events(
     receive: Receive,
     budget_s: float,
     align_settings: Settings | None = None,
+    timing: RequestTiming | None = None,
 ) -> AsyncIterator[bytes]:
-    """The events of one streamed row; with `align_settings`, the final output aligned."""
+    """The events of one streamed row; with `align_settings`, the final output aligned; with
+    `timing`, the request's stages in the final event."""
     entry = prepared.entry
     batcher = entry.batcher
     assert batcher is not None
@@ -185,6 +191,8 @@ async def _events(
                  if out.text.startswith(text.sent) else "",
                  "output": out.model_dump(exclude_none=True),
                  "usage": pipeline.usage([out]).model_dump()}
+        if timing is not None:
+            final["timing"] = timing.milliseconds(time.perf_counter())
         yield event(final)
     except ServiceError as error:
         yield event({"error": error.message, "error_type": error.error_type})

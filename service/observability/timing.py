@@ -2,7 +2,8 @@
 
 The route starts a `RequestTiming` when it begins, the batcher records its rows' passage (queued,
 admitted to a batch, the continuous batch's joins that added them, finished), and the route
-writes the header (W3C Server Timing: `name;dur=<ms>`) when the response is built:
+writes the header (W3C Server Timing: `name;dur=<ms>`) when the response is built; a streamed
+answer, whose headers leave before the work, gives the same stages in its final event:
 
 - `prepare`: the route's checks, sentence splitting and tokenization, until the rows are queued;
 - `queue`: the longest any of its rows waited for a batch;
@@ -71,6 +72,11 @@ class RequestTiming:
                     stages.append(("inference", self.finished - self.first_admitted))
         stages.append(("total", ended - self.started))
         return [(name, max(seconds, 0.0) * 1000) for name, seconds in stages]
+
+    def milliseconds(self, ended: float) -> dict[str, float]:
+        """The stages at `ended` by name, in milliseconds to the microsecond (a streamed answer's
+        final event carries them)."""
+        return {name: round(ms, 3) for name, ms in self.stages(ended)}
 
     def header(self, ended: float) -> str:
         """The `Server-Timing` header's value at `ended`: `prepare;dur=0.412, queue;dur=0.103, ...`."""

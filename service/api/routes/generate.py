@@ -101,7 +101,7 @@ async def _generate(
     deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
         return streaming.stream(prepared, request.receive, settings, deadline,
-                                alignment=body.return_alignment)
+                                alignment=body.return_alignment, timing=timing)
     sources = prepared.sources
     results = await pipeline.generate(prepared, settings, deadline, request, timing)
     extras: list[dict[str, Any]] = [{} for _ in texts]  # one per text

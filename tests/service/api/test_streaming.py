@@ -61,6 +61,9 @@ def test_events_concatenate_to_the_plain_output(tiny_url: str, beam_size: int) -
             *tokens, final = events
             assert final["done"] is True and final["model"] == plain["model"]
             assert final["output"] == expected and final["usage"] == plain["usage"]
+            # the request's stages, as a JSON answer's Server-Timing (beam rows join the running batch too)
+            assert list(final["timing"]) == ["prepare", "queue", "join", "inference", "total"]
+            assert 0 < final["timing"]["inference"] <= final["timing"]["total"]
             assert "".join(e["delta"] for e in events) == expected["text"]
             assert len(tokens) == expected["output_tokens"] > 0
             assert [e["index"] for e in tokens] == list(range(len(tokens)))

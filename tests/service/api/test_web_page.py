@@ -163,6 +163,9 @@ def test_translate_then_explore_the_heatmap(
     generated = [r for r in browser.requests() if r["url"].endswith("/v1/translate")]
     assert generated and json.loads(generated[-1]["postData"])["stream"] is True
     assert browser.evaluate("+document.body.dataset.tokens") == plain["output_tokens"]
+    # The time shown says where it went on the server (the final event's stages).
+    stages = browser.evaluate("document.getElementById('elapsed').title")
+    assert stages.startswith("On the server: prepare ") and " inference " in stages and " total " in stages
 
     # The page asked for the attention of exactly the output it shows (teacher forcing).
     sent = [r for r in browser.requests() if r["url"].endswith("/v1/attention")]
