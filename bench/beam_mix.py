@@ -41,6 +41,7 @@ from bench.servers import ServerProcess, service_process
 from bench.workload import read_lines
 
 BOUND = 1.5  # greedy p95 with beam requests mixed in / greedy-only p95
+STAGES = ("queue", "join", "inference", "total", "client")  # the Server-Timing stages the report shows
 ARMS = ("greedy_only", "mixed", "as_greedy")
 THIS = "this checkout"
 BASELINE = "baseline checkout"
@@ -92,7 +93,8 @@ def _ratio(top: float | None, bottom: float | None) -> float | None:
 
 def _summary(pooled: dict[str, LoadResult]) -> dict[str, Any]:
     """One server's pooled runs and its ratios."""
-    runs = {name: result.stats().to_dict() for name, result in pooled.items()}
+    runs = {name: result.stats().to_dict() | {"server_timing_p95_ms": result.server_timing_ms(0.95)}
+            for name, result in pooled.items()}
     only = runs["greedy_only"]["latency_p95_s"]
     ratio = _ratio(runs["mixed_greedy"]["latency_p95_s"], only)
     return {"runs": runs, "greedy_p95_ratio": ratio,
@@ -185,6 +187,14 @@ def markdown(results: dict[str, Any]) -> str:
         for name, run in summary["runs"].items():
             lines.append(f"| {label} | {name} | {run['sentences']} | {cell(run['latency_p50_s'])} "
                          f"| {cell(run['latency_p95_s'])} | {cell(run['latency_p99_s'])} | {run['errors']} |")
+    lines += ["", ("Each stage's own p95 over the run's requests, from their `Server-Timing` (ms; the stages "
+                   "do not add up at a percentile):"), "",
+              "| server | run | " + " | ".join(STAGES) + " |", "|---|---|" + "---|" * len(STAGES)]
+    for label, summary in servers:
+        for name, run in summary["runs"].items():
+            stages = run.get("server_timing_p95_ms", {})
+            lines.append(f"| {label} | {name} | " + " | ".join(
+                "-" if stage not in stages else f"{stages[stage]:.1f}" for stage in STAGES) + " |")
     lines.append("")
     for label, summary in servers:
         lines.append(f"{label}: greedy p95 mixed / greedy only **{cell(summary['greedy_p95_ratio'])}** "

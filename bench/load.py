@@ -93,9 +93,10 @@ class LoadResult:
     def error_samples(self) -> list[str]:
         return [s.error for s in self.samples if s.error][:ERROR_SAMPLES]
 
-    def server_timing_ms(self) -> dict[str, float]:
-        """The median of each `Server-Timing` stage over the answered requests that report it,
-        in milliseconds, with the client's own latency (`client`) over the same requests."""
+    def server_timing_ms(self, q: float = 0.5) -> dict[str, float]:
+        """The q-quantile (0-1; default the median) of each `Server-Timing` stage over the
+        answered requests that report it, in milliseconds, with the client's own latency
+        (`client`) over the same requests; each stage on its own, so they do not add up."""
         timed = [s for s in self.samples if s.ok and s.server_timing]
         stages: dict[str, list[float]] = {}
         for sample in timed:
@@ -103,7 +104,10 @@ class LoadResult:
                 stages.setdefault(name, []).append(ms)
         if timed:
             stages["client"] = [s.latency_s * 1000 for s in timed]
-        return {name: round(statistics.median(values), 3) for name, values in stages.items()}
+        if q == 0.5:
+            return {name: round(statistics.median(values), 3) for name, values in stages.items()}
+        return {name: round(sorted(values)[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))], 3)
+                for name, values in stages.items()}
 
     def stats(self) -> RunStats:
         """Throughput and latency percentiles of the answered requests over `elapsed_s`."""

@@ -39,7 +39,12 @@ def test_beam_mix_measures_greedy_latency_with_and_without_beam(tiny_bench_dirs:
         assert summary["greedy_p95_ratio"] == runs["mixed_greedy"]["latency_p95_s"] / only
         assert summary["as_greedy_p95_ratio"] == runs["as_greedy_greedy"]["latency_p95_s"] / only
         assert summary["status"] in {"met", "missed"}
+        for run in runs.values():  # each stage's p95 from the answers' Server-Timing
+            stages = run["server_timing_p95_ms"]
+            assert {"prepare", "queue", "inference", "total", "client"} <= set(stages)
+            assert stages["inference"] <= stages["total"] <= stages["client"]
     assert len(results["slices"]) == 2 and len(results["slices"][0]) == 6  # 2 servers x 3 arms
     assert results["baseline"]["commit"]
     text = (out / "beam_mix.md").read_text(encoding="utf-8")
     assert "greedy p95 mixed / greedy only" in text and "baseline checkout" in text
+    assert "| server | run | queue | join | inference | total | client |" in text

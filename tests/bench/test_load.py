@@ -134,6 +134,14 @@ def test_a_closed_loop_counts_http_errors_and_answers_without_outputs() -> None:
     assert timing["prepare"] == 0.5 and timing["inference"] == 1.5 and timing["client"] > 0
 
 
+def test_a_stage_quantile_is_over_the_answered_requests_that_report_it() -> None:
+    timed = [Sample(0.0, 200, ms / 1000, server_timing=(("queue", ms / 10), ("total", float(ms)))) for ms in range(1, 21)]
+    result = LoadResult(samples=[*timed, Sample(0.0, 500, 9.0, "HTTP 500", server_timing=(("total", 999.0),)),
+                                 Sample(0.0, 200, 5.0)])  # an error and an answer without the header: left out
+    assert result.server_timing_ms() == {"queue": 1.05, "total": 10.5, "client": 10.5}
+    assert result.server_timing_ms(0.95) == {"queue": 1.9, "total": 19.0, "client": 19.0}
+
+
 def test_server_timing_values_are_read_leniently() -> None:
     assert parse_server_timing("") == ()
     assert parse_server_timing('a;dur=1.25, b;desc="no dur", c;dur="2", d;dur=x, ;dur=3') == (
