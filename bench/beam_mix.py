@@ -104,12 +104,15 @@ def _summary(pooled: dict[str, LoadResult]) -> dict[str, Any]:
 
 def run(models_dir: Path, texts: Sequence[str], out_dir: Path, load: float, concurrency: int, slices: int,
         slice_s: float, beam_share: float, beam_size: int, command: str = "",
-        baseline: Path | None = None) -> dict[str, Any]:
-    """The measurement described in the module docstring; writes and returns the results."""
-    servers: dict[str, ServerProcess] = {THIS: service_process(models_dir, out_dir / "logs" / "beam_mix-service.log")}
+        baseline: Path | None = None, flags: Sequence[str] = (),
+        baseline_flags: Sequence[str] = ()) -> dict[str, Any]:
+    """The measurement described in the module docstring; writes and returns the results. `flags`
+    are given to this checkout's server, `baseline_flags` to the baseline's."""
+    servers: dict[str, ServerProcess] = {THIS: service_process(models_dir, out_dir / "logs" / "beam_mix-service.log",
+                                                               flags=flags)}
     if baseline is not None:
         servers[BASELINE] = service_process(models_dir, out_dir / "logs" / "beam_mix-baseline.log",
-                                            checkout=baseline)
+                                            flags=baseline_flags, checkout=baseline)
     pooled = {name: {run: LoadResult() for run in ("greedy_only", "mixed_greedy", "mixed_beam",
                                                    "as_greedy_greedy", "as_greedy_extra")}
               for name in servers}
@@ -150,7 +153,8 @@ def run(models_dir: Path, texts: Sequence[str], out_dir: Path, load: float, conc
     results: dict[str, Any] = {
         "command": command, "machine": machine.describe(),
         "config": {"load": load, "concurrency": concurrency, "slices": slices, "slice_s": slice_s,
-                   "beam_share": beam_share, "beam_size": beam_size},
+                   "beam_share": beam_share, "beam_size": beam_size, "flags": list(flags),
+                   "baseline_flags": list(baseline_flags)},
         "greedy_capacity_sentences_per_s": capacity, "offered_rate": rate,
         "runs": mine["runs"], "slices": per_slice,
         "greedy_p95_ratio": mine["greedy_p95_ratio"], "as_greedy_p95_ratio": mine["as_greedy_p95_ratio"],
@@ -171,9 +175,13 @@ def markdown(results: dict[str, Any]) -> str:
     def cell(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    servers = [(THIS, results)]
+    def named(label: str, flags: Sequence[str]) -> str:
+        return f"{label}, `{shlex.join(flags)}`" if flags else label
+
+    servers = [(named(THIS, config.get("flags", [])), results)]
     if "baseline" in results:
-        servers.append((f"{BASELINE} ({results['baseline']['commit'][:7]})", results["baseline"]))
+        servers.append((named(f"{BASELINE} ({results['baseline']['commit'][:7]})", config.get("baseline_flags", [])),
+                        results["baseline"]))
     lines = ["# Greedy latency with beam-search requests mixed in", "",
              f"Command: `{results['command']}`", "",
              (f"Machine: {results['machine'].get('cpu')}, {results['machine'].get('cpu_count')} cores. Greedy "
@@ -219,12 +227,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another checkout whose server runs every arm too, in turns")
+    parser.add_argument("--flags", default="", help="serve flags of this checkout's server, one string "
+                        "(e.g. --flags='--max-join-wait-ms 30')")
+    parser.add_argument("--baseline-flags", default="", help="serve flags of the baseline's server")
     args = parser.parse_args(argv)
     texts = read_lines(args.data_dir / args.model / "test.src", args.sentences)
     results = run(args.models, texts, args.out, args.load, args.concurrency, args.slices, args.slice_s,
                   args.beam_share, args.beam_size, command=shlex.join(["python", "-m", "bench.beam_mix",
                                                                        *(argv or sys.argv[1:])]),
-                  baseline=args.baseline)
+                  baseline=args.baseline, flags=shlex.split(args.flags),
+                  baseline_flags=shlex.split(args.baseline_flags))
     print(markdown(results))
     return 0
 

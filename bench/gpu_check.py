@@ -590,10 +590,12 @@ def markdown(results: dict[str, Any]) -> str:
             lines += ["", (f"p50 of a single request: service {latency['service_p50_s'] * 1000:.1f} ms, the graphs "
                            f"in-process {latency['in_process_alone_p50_s'] * 1000:.1f} ms "
                            f"(bound ≤ {latency['bound_s'] * 1000:.0f} ms: {status}).")]
-            stages = latency.get("server_timing_ms")
+            stages = dict(latency.get("server_timing_ms") or {})
+            client = stages.pop("client", None)
             if stages:  # the service's own account of where that time went
                 lines[-1] += " Its stages (`Server-Timing`, medians): " + ", ".join(
-                    f"{name} {ms:.2f} ms" for name, ms in stages.items()) + "."
+                    f"{name} {ms:.2f} ms" for name, ms in stages.items()) + (
+                    f"; the client's latency {client:.2f} ms." if client is not None else ".")
         if report.get("skipped"):
             lines += ["", "Not run, past `--budget-s`: " + "; ".join(
                 f"the service {run['mode']}, {run['max_batch_size']} rows per batch"

@@ -269,7 +269,7 @@ class Batcher:
                           timing=timing)
                 for i in order]
         self._queue.admit(rows)
-        if timing is not None:
+        if timing is not None and rows:
             timing.queued(rows[0].enqueued_at)
         self._idle.clear()
         self._arrived.set()
@@ -437,8 +437,6 @@ class Batcher:
         for row in joiners:
             row.started_at = started
             metrics.QUEUE_DURATION_SECONDS.labels(self.model).observe(started - row.enqueued_at)
-            if row.timing is not None:
-                row.timing.admitted(started, row.enqueued_at)
         self.counters.batches += 1
         self.counters.rows += len(joiners)
         self._decoding.extend(joiners)
@@ -498,8 +496,6 @@ class Batcher:
         key = rows[0].key
         for row in rows:
             metrics.QUEUE_DURATION_SECONDS.labels(self.model).observe(started - row.enqueued_at)
-            if row.timing is not None:
-                row.timing.admitted(started, row.enqueued_at)
         metrics.BATCH_SIZE.labels(self.model).observe(len(rows))
         self.counters.batches += 1
         self.counters.rows += len(rows)
@@ -509,7 +505,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         self._running = rows  # failed by `close` if the loop is cancelled while they run
         self._recount()
-        generate = functools.partial(self._generate, hooks=[row.hooks for row in rows])
+        generate = functools.partial(self._generate_taken, rows)
         try:
             results = await loop.run_in_executor(executor, generate, sources, key.beam_size, key.max_new_tokens)
             if len(results) != len(rows):
@@ -534,6 +530,16 @@ class Batcher:
                 row.timing.finished_at(started + elapsed)
             if not row.future.done():
                 row.future.set_result(result)
+
+    def _generate_taken(self, rows: list[QueuedRow], sources: list[list[int]], beam_size: int,
+                        max_new_tokens: int) -> Sequence[Generated]:
+        """Worker thread: the rows' request-level batch, their `RequestTiming` told when the
+        worker took them."""
+        taken = time.perf_counter()
+        for row in rows:
+            if row.timing is not None:
+                row.timing.admitted(taken, row.enqueued_at)
+        return self._generate(sources, beam_size, max_new_tokens, hooks=[row.hooks for row in rows])
 
     def _observe(self, row: QueuedRow, result: Generated, elapsed: float) -> None:
         generated = len(result.tokens)

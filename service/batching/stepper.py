@@ -1,7 +1,7 @@
 """The worker-thread side of continuous batching: step the running batch between arrivals.
 
 The event loop hands rows over (`hand_over`); the worker adds them to the running batch
-(`concatenate`, its time given to the joiners' `RequestTiming`) before its next decoder step,
+(`concatenate`; the joiners' `RequestTiming` told when and for how long) before its next decoder step,
 steps (`generate_token`), and reports the rows that finished to the event loop, until the batch is empty or the loop interrupts it (a row the
 batch cannot take, a `run` call, shutdown). Only the worker touches the batch while it steps.
 After rows join or leave it reads the bytes the batch's keys/values hold (`cache_bytes`) and,
@@ -82,11 +82,15 @@ class Stepper:
                 joiners, self._inbox = self._inbox, []
             if joiners:
                 started = time.perf_counter()
+                timings = {id(row.timing): row.timing for row in joiners if row.timing is not None}
+                for row in joiners:
+                    if row.timing is not None:
+                        row.timing.admitted(started, row.enqueued_at)
                 batch.concatenate([row.source for row in joiners], joiners,
                                   [row.key.max_new_tokens for row in joiners], [row.hooks for row in joiners],
                                   beam_sizes=[row.key.beam_size for row in joiners])
                 took = time.perf_counter() - started
-                for timing in {id(row.timing): row.timing for row in joiners if row.timing is not None}.values():
+                for timing in timings.values():
                     timing.joined(took)
                 metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
                 self._read_cache()

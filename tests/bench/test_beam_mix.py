@@ -23,7 +23,7 @@ def test_beam_mix_measures_greedy_latency_with_and_without_beam(tiny_bench_dirs:
     status = beam_mix.main(["--models", str(models), "--data-dir", str(data), "--model", "tiny-reverse",
                             "--out", str(out), "--sentences", "20", "--concurrency", "4", "--slices", "2",
                             "--slice-s", "2", "--beam-share", "0.3", "--load", "0.3", "--beam-size", "3",
-                            "--baseline", str(checkout)])
+                            "--baseline", str(checkout), "--flags=--max-join-wait-ms 30"])
     assert status == 0
     results = json.loads((out / "beam_mix.json").read_text(encoding="utf-8"))
     for summary in (results, results["baseline"]):
@@ -48,3 +48,4 @@ def test_beam_mix_measures_greedy_latency_with_and_without_beam(tiny_bench_dirs:
     text = (out / "beam_mix.md").read_text(encoding="utf-8")
     assert "greedy p95 mixed / greedy only" in text and "baseline checkout" in text
     assert "| server | run | queue | join | inference | total | client |" in text
+    assert results["config"]["flags"] == ["--max-join-wait-ms", "30"] and "this checkout, `--max-join-wait-ms 30`" in text

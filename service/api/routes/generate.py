@@ -12,7 +12,7 @@ Server-Sent Events (`service.api.streaming`), the alignment in its final event. 
 n-best hypotheses and a target prefix: `service.api.decode_options`. Translation splits long
 texts into sentences, unless a request asks for attention, alignments, scores, hypotheses or a
 target prefix (each relates one source to one output); summarization refuses a text longer than
-the model's window unless `truncate`. A JSON answer carries the request's stage times in its
+the model's window unless `truncate`. A successful JSON answer carries the request's stage times in its
 `Server-Timing` header (`service.observability.timing`; KServe v2's `infer` answers it too).
 """
 

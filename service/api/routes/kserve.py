@@ -145,14 +145,16 @@ async def infer(
     version: str = open_inference.MODEL_VERSION,
 ) -> Response:
     """Generate for every element of the BYTES input `text`; JSON or binary tensors; the
-    request's stage times in `Server-Timing` (`service.observability.timing`)."""
-    timing = RequestTiming(time.perf_counter())
+    request's stage times in `Server-Timing` (`service.observability.timing`; from the body read
+    and parsed, as FastAPI has done before the /v1 routes start, to the outputs gathered, before
+    their encoding, as there)."""
     registry, settings = serving.registry, serving.settings
     _known(registry, name, version)
     entry = registry.resolve(None, name)
     request.state.model = entry.name  # the metrics label of this request
     inference = open_inference.parse_request(await request.body(),
                                      request.headers.get(open_inference.HEADER_LENGTH))
+    timing = RequestTiming(time.perf_counter())
     where = [f"inputs.{open_inference.INPUT}[{i}]" for i in range(len(inference.texts))]
     prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
                                 inference.max_new_tokens, settings, where, truncate=inference.truncate,
@@ -170,8 +172,8 @@ async def infer(
     if inference.return_scores:  # one row per text (`whole_texts`)
         values[open_inference.SCORE] = [options.extras(prepared.runtime, r).get("score", math.nan)
                                         for r in results]
-    body, header_length = open_inference.response_body(entry.name, inference, values)
     headers = {SERVER_TIMING: timing.header(time.perf_counter())}
+    body, header_length = open_inference.response_body(entry.name, inference, values)
     if header_length is None:
         return Response(body, media_type="application/json", headers=headers)
     return Response(body, media_type="application/octet-stream",

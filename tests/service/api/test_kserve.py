@@ -207,7 +207,6 @@ async def test_protocol_errors_and_statuses(make_app: AppFactory) -> None:
     assert ok.status_code == 200, ok.text
     timing = [metric.split(";")[0].strip() for metric in ok.headers["server-timing"].split(",")]
     assert timing[0] == "prepare" and "inference" in timing and timing[-1] == "total"
-    assert "server-timing" not in not_json.headers  # refused before any stage
     assert ok.json() == {
         "model_name": "summarize-en", "model_version": "1", "id": "x",
         "outputs": [
@@ -234,6 +233,8 @@ async def test_a_full_queue_is_a_429_with_retry_after(
                                     json=infer_body(["ab", "cd"]))
         await asyncio.gather(first, second)
     assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+    assert "server-timing" not in refused.headers  # a refused request went through no stage
+    assert "server-timing" in (await first).headers
     assert set(refused.json()) == {"error"} and "full" in refused.json()["error"]
 
 

@@ -338,16 +338,20 @@ async def test_rows_that_would_miss_their_deadline_at_the_drain_rate_are_refused
     await batcher.close(1)
 
 
-async def test_a_request_level_batch_times_its_wait_and_its_batch() -> None:
-    model = FakeModel(delay_s=0.04)
+
+async def test_a_request_level_batch_times_its_wait_from_queued_to_taken_by_the_worker() -> None:
+    model = FakeModel(gate=threading.Event())  # every batch waits for the gate
     batcher = make(model, "timing", max_batch_size=1)
-    first = asyncio.ensure_future(batcher.submit([[5, 6, EOS]], 1, 8))  # holds the worker for 40 ms
-    await asyncio.sleep(0.005)
+    first = asyncio.ensure_future(batcher.submit([[5, 6, EOS]], 1, 8))
+    while not model.batches:  # the first batch holds the worker at the gate
+        await asyncio.sleep(0.005)
     timing = RequestTiming(time.perf_counter())
-    await batcher.submit([[7, 8, EOS]], 1, 8, timing=timing)  # waits for the first batch, then its own
+    second = asyncio.ensure_future(batcher.submit([[7, 8, EOS]], 1, 8, timing=timing))
+    await asyncio.sleep(0.05)  # queued behind the first batch (its own batch is formed, not taken)
+    model.gate.set()
+    await asyncio.gather(first, second)
     stages = dict(timing.stages(time.perf_counter()))
     assert list(stages) == ["prepare", "queue", "inference", "total"]  # no join: not a running batch
-    assert stages["queue"] >= 20 and stages["inference"] >= 40
-    assert stages["total"] >= stages["queue"] + stages["inference"]
-    await first
+    assert stages["queue"] >= 40  # until the worker took it, after the gate opened
+    assert stages["total"] >= stages["prepare"] + stages["queue"] + stages["inference"]
     await batcher.close(1)

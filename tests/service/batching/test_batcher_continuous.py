@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -357,17 +358,19 @@ def test_oldest_age_counts_the_steps_of_the_oldest_live_row(tiny_runtime: ModelR
     assert batch.oldest_age == 3
 
 
+
 async def test_a_requests_timing_counts_its_join_once_and_its_steps() -> None:
     running = FakeRunningBatch(step_delay_s=0.005, join_delay_s=0.03)
     batcher = make("c-timing", running)
     timing = RequestTiming(time.perf_counter())
     began = time.perf_counter()
-    await batcher.submit([source(3), source(4, start=40)], 1, 100, timing=timing)  # both join in one call
+    with mock.patch.object(timing, "joined", wraps=timing.joined) as joined:
+        await batcher.submit([source(3), source(4, start=40)], 1, 100, timing=timing)  # both join in one call
     ended = time.perf_counter()
+    assert joined.call_count == 1  # the one join, not once per row
     stages = dict(timing.stages(ended))
     assert list(stages) == ["prepare", "queue", "join", "inference", "total"]
-    assert 30 <= stages["join"] < 55  # the one join, not once per row
+    assert stages["join"] >= 30  # the fake join's sleep
     assert stages["inference"] >= stages["join"] + 5 * 5  # the join and 5 steps of 5 ms (4 tokens + EOS)
-    assert stages["inference"] <= (ended - began) * 1000
-    assert stages["queue"] < 20 and stages["total"] >= stages["inference"]
+    assert stages["inference"] <= (ended - began) * 1000 and stages["total"] >= stages["inference"]
     await batcher.close(1)

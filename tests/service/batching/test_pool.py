@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -15,6 +17,7 @@ from service.core.errors import Overloaded
 from service.core.settings import CPU_PROVIDER, Settings, cpu_cores
 from service.generation.hooks import RowHooks
 from service.observability import metrics
+from service.observability.timing import RequestTiming
 from tests.service.fakes import EOS, ROW_CACHE_BYTES, FakeModel, FakeRunningBatch, reverse
 
 pytestmark = pytest.mark.anyio
@@ -254,4 +257,21 @@ async def test_the_batchers_of_a_model_share_one_admission_share() -> None:
     pool = make_pool(FakeModel(), "p-share", workers=3)
     first = pool.batchers[0].share
     assert all(b.share is first for b in pool.batchers)
+    await pool.close(1)
+
+
+async def test_a_request_dealt_over_two_batchers_counts_the_slower_workers_joins() -> None:
+    model = FakeModel()
+    pool = BatcherPool("pool-timing", [
+        Batcher("pool-timing", model.generate, BatchLimits(max_wait_s=0.0),  # type: ignore[arg-type]
+                lambda: FakeRunningBatch(join_delay_s=0.06), thread_name=f"batch-pool-timing-{index}")
+        for index in range(2)])
+    pool.start()
+    timing = RequestTiming(time.perf_counter())
+    with mock.patch.object(timing, "joined", wraps=timing.joined) as joined:
+        await pool.submit([source(20), source(22)], 1, 30, timing=timing)  # idle batchers: one row each
+    stages = dict(timing.stages(time.perf_counter()))
+    assert joined.call_count == 2  # one join in each worker, side by side: the slower counts, not their sum
+    assert 60 <= stages["join"] < 1000 * sum(call.args[0] for call in joined.call_args_list)
+    assert stages["join"] == 1000 * max(call.args[0] for call in joined.call_args_list)
     await pool.close(1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from service.observability.timing import RequestTiming
 
 
@@ -27,3 +29,14 @@ def test_stages_not_reached_are_left_out() -> None:
     admitted.queued(1.001)
     admitted.admitted(1.002, enqueued_at=1.001)
     assert [name for name, _ in admitted.stages(1.004)] == ["prepare", "queue", "total"]  # no join, unfinished
+
+
+def test_a_request_dealt_over_batchers_keeps_its_first_queueing_and_its_slowest_worker() -> None:
+    timing = RequestTiming(started=0.0)
+    timing.queued(0.001)
+    timing.queued(0.002)  # its second part, on another batcher
+    timing.joined(0.004)  # in this thread; the other worker's joins below
+    worker = threading.Thread(target=lambda: (timing.joined(0.003), timing.joined(0.002)))
+    worker.start()
+    worker.join()
+    assert timing.enqueued == 0.001 and timing.join_s == 0.005  # the other worker spent 5 ms in all
