@@ -106,8 +106,7 @@ class LoadResult:
             stages["client"] = [s.latency_s * 1000 for s in timed]
         if q == 0.5:
             return {name: round(statistics.median(values), 3) for name, values in stages.items()}
-        return {name: round(sorted(values)[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))], 3)
-                for name, values in stages.items()}
+        return {name: round(_nearest_rank(sorted(values), q), 3) for name, values in stages.items()}
 
     def stats(self) -> RunStats:
         """Throughput and latency percentiles of the answered requests over `elapsed_s`."""
@@ -139,7 +138,7 @@ class LoadResult:
         latencies = sorted(s.latency_s for s in self._window(start_s, end_s) if s.ok)
         if not latencies:
             return math.nan
-        return latencies[min(len(latencies) - 1, math.ceil(q * len(latencies)) - 1)]
+        return _nearest_rank(latencies, q)
 
     def summary(self) -> dict[str, Any]:
         """Counts, goodput and latency percentiles, for printing or RELIABILITY.md."""
@@ -164,6 +163,11 @@ class LoadResult:
 
     def _window(self, start_s: float, end_s: float) -> list[Sample]:
         return [s for s in self.samples if start_s <= s.sent_s < end_s]
+
+
+def _nearest_rank(ordered: Sequence[float], q: float) -> float:
+    """The q-quantile (0-1) of ascending `ordered` (not empty) by the nearest-rank rule."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def client(connections: int, timeout_s: float = REQUEST_TIMEOUT_S,

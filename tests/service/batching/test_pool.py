@@ -83,13 +83,19 @@ async def test_queue_depth_is_the_sum_over_the_batchers() -> None:
     await pool.close(1)
 
 
-async def test_cache_bytes_are_the_sum_over_the_batchers_and_the_most_is_kept() -> None:
+def running_pool(name: str, **running: float) -> BatcherPool:
+    """Two batchers of continuous batching over `FakeRunningBatch(**running)`, started."""
     model = FakeModel()
-    pool = BatcherPool("pool-cache", [
-        Batcher("pool-cache", model.generate, BatchLimits(max_wait_s=0.0),  # type: ignore[arg-type]
-                lambda: FakeRunningBatch(step_delay_s=0.01), thread_name=f"batch-pool-cache-{index}")
+    pool = BatcherPool(name, [
+        Batcher(name, model.generate, BatchLimits(max_wait_s=0.0),  # type: ignore[arg-type]
+                lambda: FakeRunningBatch(**running), thread_name=f"batch-{name}-{index}")
         for index in range(2)])
     pool.start()
+    return pool
+
+
+async def test_cache_bytes_are_the_sum_over_the_batchers_and_the_most_is_kept() -> None:
+    pool = running_pool("pool-cache", step_delay_s=0.01)
     rows = [asyncio.ensure_future(pool.submit([source(30)], 1, 50)) for _ in range(3)]
     await asyncio.sleep(0.1)  # all three decoding, in both batchers
     assert sorted(b.cache_bytes for b in pool.batchers) == [ROW_CACHE_BYTES, 2 * ROW_CACHE_BYTES]
@@ -261,12 +267,7 @@ async def test_the_batchers_of_a_model_share_one_admission_share() -> None:
 
 
 async def test_a_request_dealt_over_two_batchers_counts_the_slower_workers_joins() -> None:
-    model = FakeModel()
-    pool = BatcherPool("pool-timing", [
-        Batcher("pool-timing", model.generate, BatchLimits(max_wait_s=0.0),  # type: ignore[arg-type]
-                lambda: FakeRunningBatch(join_delay_s=0.06), thread_name=f"batch-pool-timing-{index}")
-        for index in range(2)])
-    pool.start()
+    pool = running_pool("pool-timing", join_delay_s=0.06)
     timing = RequestTiming(time.perf_counter())
     with mock.patch.object(timing, "joined", wraps=timing.joined) as joined:
         await pool.submit([source(20), source(22)], 1, 30, timing=timing)  # idle batchers: one row each
