@@ -62,6 +62,7 @@ SHIPPED = "shipped"
 ATTENTION_SHAPES = ((1, 8, 64), (1, 32, 64), (64, 8, 64), (64, 32, 64), (64, 32, 256), (64, 64, 128))  # rows, length, capacity
 ATTENTION_CACHES = {"int8": TensorProto.INT8, "float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 HEADS, HEAD_DIM = 4, 64
+ATTENTION_SCALE = 0.05  # the int8 caches' per-tensor scales
 
 
 def _int8_graphs(directory: Path) -> list[Path]:
@@ -161,9 +162,10 @@ def variant_repository(source: Path, variant: str, out: Path) -> Path:
     return out
 
 
-def _attention_graph(cache: int) -> bytes:
+def attention_graph(cache: int) -> bytes:
     """One GroupQueryAttention over (B, 1, 256) float queries, keys and values and a (B, 4, C, 64)
-    cache of type `cache` (int8: per-tensor scales as inputs), past and present bound alike."""
+    cache of type `cache` (int8: per-tensor scales `ATTENTION_SCALE` as inputs), past and present
+    bound alike."""
     compute = TensorProto.FLOAT16 if cache == TensorProto.FLOAT16 else TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info(name, compute, ["batch", 1, HEADS * HEAD_DIM]) for name in ("q", "k", "v")]
     inputs += [helper.make_tensor_value_info(name, cache, ["batch", HEADS, "capacity", HEAD_DIM]) for name in ("pk", "pv")]
@@ -175,7 +177,8 @@ def _attention_graph(cache: int) -> bytes:
     if cache == TensorProto.INT8:  # as export.kv_cache makes it
         names += [""] * (SCALE_INPUTS - len(names)) + ["key_scale", "value_scale"]
         attributes.update(QUANT_ATTRIBUTES)
-        initializers = [helper.make_tensor(name, TensorProto.FLOAT, [1], [0.05]) for name in ("key_scale", "value_scale")]
+        initializers = [helper.make_tensor(name, TensorProto.FLOAT, [1], [ATTENTION_SCALE])
+                        for name in ("key_scale", "value_scale")]
     node = helper.make_node("GroupQueryAttention", names, ["out", "present_k", "present_v"], domain="com.microsoft",
                             **attributes)
     outputs = [helper.make_tensor_value_info("out", compute, None), helper.make_tensor_value_info("present_k", cache, None),
@@ -185,39 +188,63 @@ def _attention_graph(cache: int) -> bytes:
                                                   helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
 
 
-def attention_us(cache: str, rows: int, length: int, capacity: int, calls: int, seed: int = 0) -> float:
-    """Microseconds per GroupQueryAttention call (median of 5 rounds of `calls`) at one query
-    position per row, each row's cache `length` long in `capacity` columns of type `cache`."""
+def attention_inputs(cache: str, rows: int, length: int, capacity: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs of `attention_graph`: one query position per row, each row's cache `length`
+    long (its new key and value go to column `length` - 1) in `capacity` columns of type `cache`."""
     kind = ATTENTION_CACHES[cache]
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(_attention_graph(kind), options, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(seed)
     dtype = {TensorProto.INT8: np.int8, TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}[kind]
     compute = np.float16 if kind == TensorProto.FLOAT16 else np.float32
-    if kind == TensorProto.INT8:
-        past = rng.integers(-100, 100, (rows, HEADS, capacity, HEAD_DIM)).astype(np.int8)
-    else:
-        past = rng.standard_normal((rows, HEADS, capacity, HEAD_DIM)).astype(dtype)
+    inputs = {name: rng.standard_normal((rows, 1, HEADS * HEAD_DIM)).astype(compute) for name in ("q", "k", "v")}
+    for name in ("pk", "pv"):
+        inputs[name] = (rng.integers(-100, 100, (rows, HEADS, capacity, HEAD_DIM)).astype(np.int8)
+                        if kind == TensorProto.INT8 else
+                        rng.standard_normal((rows, HEADS, capacity, HEAD_DIM)).astype(dtype))
+    inputs["lengths"] = np.full(rows, length - 1, dtype=np.int32)
+    inputs["total"] = np.array(capacity, dtype=np.int32)
+    return inputs
+
+
+def attention_runner(cache: str, inputs: dict[str, np.ndarray]
+                     ) -> tuple[Callable[[], None], Callable[[], np.ndarray], Callable[[], tuple[np.ndarray, np.ndarray]]]:
+    """GroupQueryAttention on `inputs` (copied; the caches written in place, as the step graph's)
+    on one thread: a call, the last call's (rows, 1, 256) output, and the caches."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(attention_graph(ATTENTION_CACHES[cache]), options,
+                                   providers=["CPUExecutionProvider"])
     binding = session.io_binding()
-    for name in ("q", "k", "v"):
-        binding.bind_cpu_input(name, rng.standard_normal((rows, 1, HEADS * HEAD_DIM)).astype(compute))
-    binding.bind_cpu_input("lengths", np.full(rows, length - 1, dtype=np.int32))
-    binding.bind_cpu_input("total", np.array(capacity, dtype=np.int32))
+    for name in ("q", "k", "v", "lengths", "total"):
+        binding.bind_cpu_input(name, inputs[name])
+    binding.bind_output("out")  # the first of the outputs copied out
+    caches = []
     for past_name, present_name in (("pk", "present_k"), ("pv", "present_v")):
-        value = ort.OrtValue.ortvalue_from_numpy(past.copy())
+        value = ort.OrtValue.ortvalue_from_numpy(inputs[past_name].copy())
         binding.bind_ortvalue_input(past_name, value)
         binding.bind_ortvalue_output(present_name, value)  # written in place, as the step graph's cache
-    binding.bind_output("out")
+        caches.append(value)
+    return (lambda: session.run_with_iobinding(binding)), (lambda: binding.copy_outputs_to_cpu()[0]), \
+        (lambda: (caches[0].numpy(), caches[1].numpy()))
+
+
+def median_us(call: Callable[[], None], calls: int, rounds: int = 5) -> float:
+    """Microseconds per call of `call`: the median of `rounds` rounds of `calls` after a warm-up."""
     for _ in range(max(calls // 5, 5)):
-        session.run_with_iobinding(binding)
-    rounds = []
-    for _ in range(5):
+        call()
+    times = []
+    for _ in range(rounds):
         started = time.perf_counter()
         for _ in range(calls):
-            session.run_with_iobinding(binding)
-        rounds.append((time.perf_counter() - started) / calls * 1e6)
-    return statistics.median(rounds)
+            call()
+        times.append((time.perf_counter() - started) / calls * 1e6)
+    return statistics.median(times)
+
+
+def attention_us(cache: str, rows: int, length: int, capacity: int, calls: int, seed: int = 0) -> float:
+    """Microseconds per GroupQueryAttention call (median of 5 rounds of `calls`) at one query
+    position per row, each row's cache `length` long in `capacity` columns of type `cache`."""
+    call, _, _ = attention_runner(cache, attention_inputs(cache, rows, length, capacity, seed))
+    return median_us(call, calls)
 
 
 ALONE_SHAPES = (("step", 1), ("step", 64), ("encoder", 1), ("encoder", 16))  # graph, rows
