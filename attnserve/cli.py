@@ -12,11 +12,15 @@ import argparse
 import importlib
 import importlib.metadata
 import importlib.util
-import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from service.observability import logs
+from service.observability.logs import FORMAT_VARIABLE as LOG_FORMAT_VARIABLE
+from service.observability.logs import FORMATS as LOG_FORMATS
 
 DISTRIBUTION = "attnserve"
 
@@ -103,6 +107,9 @@ def missing_requirements(extras: Sequence[str]) -> list[str]:
 def _root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     parser = argparse.ArgumentParser(prog="attnserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=os.environ.get(LOG_FORMAT_VARIABLE, "text"),
+                        help="log lines as text or one JSON object per line (default text, or "
+                        f"${LOG_FORMAT_VARIABLE})")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     return parser, subparsers
 
@@ -142,6 +149,7 @@ def _chosen_command(argv: Sequence[str]) -> str | None:
     """The subcommand named on the command line, if any, without importing anything."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--log-level")
+    parser.add_argument("--log-format")
     parser.add_argument("command", nargs="?")
     known, _ = parser.parse_known_args(argv)
     return known.command if known.command in _BY_NAME else None
@@ -158,10 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):  # a subcommand listed by name only: never chosen above
         parser.error(f"unknown command {args.command!r}")
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(args.log_level, args.log_format)
     return int(args.func(args) or 0)
 
 

@@ -3,7 +3,9 @@
 The lifespan starts loading the models in the background (the app answers `/health/live` at
 once and turns ready when they are loaded; one of several `--workers` processes instead waits
 for them before it accepts connections) and, at shutdown, drains the batchers. ASGI
-middlewares sit around the routes, outermost first: one records `requests_total` and
+middlewares sit around the routes, outermost first: one gives each request its id (its
+`X-Request-ID` header, else a new one), sends it back on every answer and logs the request's
+access line (`service.api.request_id`); one records `requests_total` and
 `request_duration_seconds` by route template (never the raw path); one refuses a generation
 request every model of its task would refuse, before its body is read (`service.api.shed`);
 one answers 408 when a
@@ -39,6 +41,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.deadline import HEADER as TIMEOUT_HEADER
 from service.api.errors import error_response, install_error_handlers
+from service.api.request_id import HEADER as REQUEST_ID_HEADER
+from service.api.request_id import RequestIdMiddleware
 from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
 from service.api.routes.deps import Serving
 from service.api.shed import SHED_STATE, Shedder, ShedMiddleware
@@ -52,7 +56,7 @@ from service.core.registry import (
     onnx_running_batch,
 )
 from service.core.settings import Settings
-from service.observability import metrics
+from service.observability import logs, metrics
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +126,14 @@ def create_app(
         app.add_middleware(
             CORSMiddleware, allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type", TIMEOUT_HEADER],
+            allow_headers=["Authorization", "Content-Type", TIMEOUT_HEADER, REQUEST_ID_HEADER],
+            expose_headers=[REQUEST_ID_HEADER, "Server-Timing"],
         )
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     app.add_middleware(ShedMiddleware, shedder=shedder)
-    app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status
+    app.add_middleware(RequestMetricsMiddleware)  # sees every status
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the request's id
+    logs.ACCESS.disabled = not settings.access_log
     # the inference routes check the bearer token and (but KServe v2's, JSON or binary) the
     # body's type in their one dependency (`service.api.routes.deps`)
     for router in (generate.router, attention.router, models.router, health.router, kserve.router,

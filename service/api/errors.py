@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from service.api.request_id import HEADER as REQUEST_ID_HEADER
 from service.core.errors import (
     ClientDisconnected,
     DeadlineExceeded,
@@ -108,8 +109,12 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # answered outside the app's middlewares (Starlette's outermost one): the request's id is
+    # still the running one (`service.api.request_id`) and goes on the answer here
     logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal error", InternalError.error_type)
+    identity = request.scope.get("state", {}).get("request_id")
+    return error_response(500, "internal error", InternalError.error_type,
+                          {REQUEST_ID_HEADER: identity} if identity else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -222,6 +222,9 @@ class Settings(BaseSettings):
         default=None, ge=0, le=65535,
         description="serve /metrics on this port instead of the main one",
     )
+    access_log: bool = Field(
+        default=True, description="one line per HTTP request on the attnserve.access logger (INFO)",
+    )
     fail_on_model_error: bool = Field(
         default=False, description="refuse to start when a model fails to load (else live, "
         "not ready)",

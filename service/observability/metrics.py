@@ -139,7 +139,7 @@ GENERATED_TOKENS_TOTAL = Counter(
 REJECTED_TOTAL = Counter(
     "attnserve_rejected_total",
     "Requests dropped before or during inference, by reason "
-    "(queue_full, expected_wait, deadline, disconnected, draining).",
+    "(queue_full, expected_wait, deadline, disconnected, draining, large_responses).",
     ["model", "reason"],
     registry=REGISTRY,
 )

@@ -23,7 +23,7 @@ _SETTING_FLAGS = (
     "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
-    "max_large_responses", "public_metadata",
+    "max_large_responses", "public_metadata", "access_log",
 )
 
 
@@ -50,8 +50,8 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    help="intra-op threads per session (default 0: the cores divided among the batch workers "
                    "of all the server processes)")
     p.add_argument("--batch-workers", type=int,
-                   help="threads per model, each running its own batches (default 0: 3 on the "
-                   "CPU, 1 on CUDA)")
+                   help="threads per model, each running its own batches (default 0: on the CPU 2 with "
+                   "continuous batching, 3 without; 1 on CUDA)")
     p.add_argument("--variant", help="force a model variant (fp32, fp16, int8)")
     p.add_argument("--spinning", action=argparse.BooleanOptionalAction,
                    help="let onnxruntime's idle threads spin between calls (default off: they "
@@ -126,6 +126,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    help="concurrent /v1/attention requests; more get 429 (default 4)")
     p.add_argument("--public-metadata", action="store_const", const=True,
                    help="with an API key, leave the docs and the model listing open")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction,
+                   help="log one line per HTTP request, with its X-Request-ID, on the attnserve.access "
+                   "logger at INFO (default on)")
     p.add_argument("--fail-on-model-error", action="store_const", const=True,
                    help="exit (non-zero status) when a model fails to load, instead of staying "
                    "live and not ready")

@@ -17,8 +17,10 @@ else h11) that every server of `attnserve serve` uses:
   -1`, ...) gets the service's JSON error body instead of uvicorn's plain text;
 - **shedding in the parser** (httptools' protocol): a generation request that every model of its
   task would refuse (`service.api.shed.Shedder`, found in the lifespan state) is answered 429 as
-  soon as its headers are complete, without starting the app; the parser discards its body and
-  the connection stays open for the next request, under the header timeout meanwhile.
+  soon as its headers are complete, without starting the app (with the request's
+  `X-Request-ID` and access line, as the app's answers: `service.api.request_id`); the parser
+  discards its body and the connection stays open for the next request, under the header
+  timeout meanwhile.
 
 Each refusal is counted in `attnserve_connections_refused_total{reason}`, and
 `attnserve_open_connections` follows the open connections. The body's own deadline
@@ -38,6 +40,7 @@ from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from service.api.request_id import id_header, log_access, request_id
 from service.api.shed import SHED_CHECKED, SHED_STATE, Refusal
 from service.core.settings import Settings
 from service.observability import metrics
@@ -194,9 +197,10 @@ class Guards:
         discards), counted as the app's middleware counts a request; the connection stays open
         unless the request asked otherwise or waits for a `100 Continue` before its body."""
         started = time.perf_counter()
+        identity = request_id(cycle.scope)
         keep_alive = cycle.keep_alive and not cycle.waiting_for_100_continue
         head = [f"HTTP/1.1 {refusal.status} {HTTPStatus(refusal.status).phrase}\r\n".encode("ascii")]
-        for name, value in [*self.server_state.default_headers, *refusal.headers]:
+        for name, value in [*self.server_state.default_headers, *refusal.headers, id_header(identity)]:
             head += [name, b": ", value, b"\r\n"]
         if not keep_alive:
             head.append(b"connection: close\r\n")
@@ -207,6 +211,7 @@ class Guards:
         metrics.REQUESTS_TOTAL.labels(refusal.route, refusal.model, metrics.status_class(refusal.status)).inc()
         metrics.REQUEST_DURATION_SECONDS.labels(refusal.route, refusal.model).observe(
             time.perf_counter() - started)
+        log_access(cycle.scope, refusal.status, started, identity, refusal.model)
         if not keep_alive:
             self.transport.close()
         if cycle.more_body:  # its body still to come (a pipelined request's was read whole)

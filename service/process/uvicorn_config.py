@@ -20,5 +20,6 @@ def server_options(settings: Settings) -> dict[str, Any]:
         "lifespan": "on",
         "timeout_keep_alive": max(1, math.ceil(settings.keep_alive_timeout_s)),
         "timeout_graceful_shutdown": math.ceil(settings.drain_timeout_s),
-        "log_config": None,  # keep the logging set up by `attnserve --log-level`
+        "log_config": None,  # keep the logging set up by `attnserve --log-level --log-format`
+        "access_log": False,  # the app logs each request's line, with its id (service.api.request_id)
     }

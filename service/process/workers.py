@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from service.core.settings import Settings
+from service.observability import logs
 
 if TYPE_CHECKING:
     import uvicorn
@@ -65,8 +66,7 @@ def app_from_environment() -> FastAPI:
     from service.api.app import create_app
 
     if not logging.getLogger().handlers:  # a spawned worker: logging as `attnserve` sets it
-        logging.basicConfig(level=os.environ.get(LOG_LEVEL_VARIABLE, "INFO").upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logs.configure(os.environ.get(LOG_LEVEL_VARIABLE, "INFO"), os.environ.get(logs.FORMAT_VARIABLE, "text"))
     return create_app(Settings())
 
 
@@ -77,6 +77,7 @@ def run_workers(settings: Settings, environ: Mapping[str, str] | None = None) ->
 
     os.environ.update(environ if environ is not None else settings_environment(settings))
     os.environ[LOG_LEVEL_VARIABLE] = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    os.environ[logs.FORMAT_VARIABLE] = logs.current_format()
     # the supervisor runs no app: uvicorn's options without the app's modules (numpy, onnxruntime)
     from service.observability.metrics import MULTIPROCESS_DIR
     from service.process.uvicorn_config import PROTOCOL, server_options

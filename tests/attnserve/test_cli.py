@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import subprocess
 import sys
@@ -93,3 +94,25 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
         cli.main(["nope"])
     assert exited.value.code == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_log_lines_are_json_with_log_format_json(how: str) -> None:
+    flag = ["--log-format", "json"] if how == "flag" else []
+    environment = {**os.environ, **({"ATTNSERVE_LOG_FORMAT": "json"} if how == "environment" else {})}
+    # an invalid port: `serve` logs one error and exits 2 before it binds anything
+    done = subprocess.run([sys.executable, "-m", "attnserve.cli", *flag, "serve", "--port", "70000"],
+                          check=False, capture_output=True, text=True, env=environment, timeout=60)
+    assert done.returncode == 2, done.stderr
+    [entry] = [json.loads(line) for line in done.stderr.splitlines()]
+    assert entry["level"] == "ERROR" and entry["logger"] == "service.process.commands"
+    assert entry["message"].startswith("invalid settings") and entry["time"].endswith("+00:00")
+
+
+def test_log_lines_are_text_by_default() -> None:
+    environment = {name: value for name, value in os.environ.items() if name != "ATTNSERVE_LOG_FORMAT"}
+    done = subprocess.run([sys.executable, "-m", "attnserve.cli", "serve", "--port", "70000"],
+                          check=False, capture_output=True, text=True, env=environment, timeout=60)
+    assert done.returncode == 2
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ERROR service\.process\.commands: invalid settings",
+                    done.stderr)

@@ -10,6 +10,7 @@ model of the task is out of reach however slow the machine is.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from service.api.app import create_app
 from service.api.shed import Shedder
 from service.core.settings import Settings
+from service.observability import logs
 from service.observability.metrics import REGISTRY
 from service.process.http import guarded_protocol
 from tests.service.fakes import FakeLoader, FakeModel
@@ -228,3 +230,18 @@ def test_a_request_let_through_is_decided_once(models_dir: Path, base: type[Any]
             status, _, _ = read_response(connection)
     # the protocol (httptools) or the middleware (h11) decides; never both
     assert status == 200 and decided.count("/v1/translate") == 1
+
+
+@pytest.mark.parametrize("base", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"])
+def test_a_shed_request_carries_its_id_and_its_access_line(models_dir: Path, base: type[Any],
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=logs.ACCESS.name)
+    with overloaded_server(models_dir, base) as (address, _), socket.create_connection(address) as connection:
+        caplog.clear()
+        connection.sendall(request("/v1/translate", b'{"text": "x"}', headers=b"X-Request-ID: shed-1\r\n"))
+        status, headers, _ = read_response(connection)
+        lines = [r for r in caplog.records if r.name == logs.ACCESS.name]
+    assert status == 429 and headers["x-request-id"] == "shed-1"
+    # the parser's answer (httptools) and the app's middleware (h11) log it alike
+    assert [(r.request_id, r.path, r.status, r.model) for r in lines] == [  # type: ignore[attr-defined]
+        ("shed-1", "/v1/translate", 429, MODEL)]
