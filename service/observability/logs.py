@@ -69,9 +69,9 @@ def make_handler(log_format: str = "text", stream: IO[str] | None = None) -> log
 
 
 def configure(level: str = "INFO", log_format: str = "text", stream: IO[str] | None = None) -> None:
-    """The root logger at `level` with `make_handler(log_format, stream)` in place of any handler
-    it had."""
-    logging.basicConfig(level=level.upper(), handlers=[make_handler(log_format, stream)], force=True)
+    """The root logger at `level` with `make_handler(log_format, stream)`, as `logging.basicConfig`
+    sets it up: nothing changes when the root logger has handlers already."""
+    logging.basicConfig(level=level.upper(), handlers=[make_handler(log_format, stream)])
 
 
 def current_format() -> str:

@@ -240,7 +240,10 @@ def test_a_shed_request_carries_its_id_and_its_access_line(models_dir: Path, bas
         caplog.clear()
         connection.sendall(request("/v1/translate", b'{"text": "x"}', headers=b"X-Request-ID: shed-1\r\n"))
         status, headers, _ = read_response(connection)
-        lines = [r for r in caplog.records if r.name == logs.ACCESS.name]
+        deadline = time.monotonic() + BOUND_S  # the line is written right after the answer
+        while not (lines := [r for r in caplog.records if r.name == logs.ACCESS.name]):
+            assert time.monotonic() < deadline, "no access line"
+            time.sleep(0.01)
     assert status == 429 and headers["x-request-id"] == "shed-1"
     # the parser's answer (httptools) and the app's middleware (h11) log it alike
     assert [(r.request_id, r.path, r.status, r.model) for r in lines] == [  # type: ignore[attr-defined]
