@@ -37,6 +37,19 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+class TextFormatter(logging.Formatter):
+    """`TEXT_FORMAT`, and ` request_id=<id>` after the message of a record logged while a
+    request was handled (the access line names it in its message already)."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        identity = getattr(record, "request_id", None)
+        return f"{line} request_id={identity}" if identity and record.name != ACCESS.name else line
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: `time` (UTC, ISO 8601 with milliseconds), `level`, `logger`,
     `message`, the `FIELDS` the record has, and `exception` (the traceback) when it has one."""
@@ -64,7 +77,7 @@ def make_handler(log_format: str = "text", stream: IO[str] | None = None) -> log
         raise ValueError(f"log format must be one of {FORMATS}, got {log_format!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(RequestIdFilter())
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     return handler
 
 

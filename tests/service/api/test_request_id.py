@@ -117,4 +117,5 @@ async def test_an_error_logged_by_a_route_names_the_request(make_app: AppFactory
         assert entry["request_id"] == "bug-7" and entry["level"] == "ERROR"
         assert "RuntimeError: a bug" in entry["exception"]
     else:
-        assert "ERROR service.api.errors: unhandled error on GET /v1/models" in line
+        assert line.endswith("ERROR service.api.errors: unhandled error on GET /v1/models request_id=bug-7")
+        assert "RuntimeError: a bug" in written.getvalue()
