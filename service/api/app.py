@@ -5,7 +5,8 @@ once and turns ready when they are loaded; one of several `--workers` processes 
 for them before it accepts connections) and, at shutdown, drains the batchers. ASGI
 middlewares sit around the routes, outermost first: one gives each request its id (its
 `X-Request-ID` header, else a new one), sends it back on every answer and logs the request's
-access line (`service.api.request_id`); one records `requests_total` and
+access line (`service.api.request_id`); with tracing on, one sends the request's span
+(`service.observability.tracing`); one records `requests_total` and
 `request_duration_seconds` by route template (never the raw path); one refuses a generation
 request every model of its task would refuse, before its body is read (`service.api.shed`);
 one answers 408 when a
@@ -56,7 +57,8 @@ from service.core.registry import (
     onnx_running_batch,
 )
 from service.core.settings import Settings
-from service.observability import logs, metrics
+from service.observability import logs, metrics, tracing
+from service.observability.tracing import TracingMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +77,15 @@ def create_app(
     loader: Loader | None = None,
     generator: GeneratorFactory | None = None,
     running_batch: RunningBatchFactory | None = None,
+    tracer_provider: Any | None = None,
 ) -> FastAPI:
     """The app serving the models of `settings.models_dir`.
 
     `loader`, `generator` and `running_batch` default to onnxruntime (`service.runtime`,
     `service.generation.search`, `service.batching.running_batch`); tests pass fakes. With a fake `generator` and
     no `running_batch` there is no continuous batching (request-level batches only).
+    `tracer_provider` (an OpenTelemetry one) defaults to the OTLP exporter of `settings.otlp_endpoint`
+    (`service.observability.tracing`); without either the app traces nothing.
     """
     settings = settings or Settings()
     if running_batch is None and generator is None:
@@ -90,6 +95,7 @@ def create_app(
     )
 
     shedder = Shedder(registry, settings)
+    tracer_provider = tracer_provider or tracing.tracer_provider(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -105,6 +111,8 @@ def create_app(
             yield {SHED_STATE: shedder}  # the server's protocol sheds with it (service.api.shed)
         finally:
             await registry.close(settings.drain_timeout_s)
+            if tracer_provider is not None:
+                tracer_provider.shutdown()  # the spans not yet sent go now
 
     app = FastAPI(
         title="attnserve",
@@ -132,6 +140,8 @@ def create_app(
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     app.add_middleware(ShedMiddleware, shedder=shedder)
     app.add_middleware(RequestMetricsMiddleware)  # sees every status
+    if tracer_provider is not None:
+        app.add_middleware(TracingMiddleware, provider=tracer_provider)  # reads the request's id
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the request's id
     logs.ACCESS.disabled = not settings.access_log
     # the inference routes check the bearer token and (but KServe v2's, JSON or binary) the

@@ -222,6 +222,11 @@ class Settings(BaseSettings):
         default=None, ge=0, le=65535,
         description="serve /metrics on this port instead of the main one",
     )
+    otlp_endpoint: str | None = Field(
+        default=None, description="send a trace span per request to this OTLP/HTTP collector URL "
+        "(e.g. http://localhost:4318/v1/traces; needs the otel extra); None = no tracing",
+    )
+    otlp_service_name: str = Field(default="attnserve", description="the traces' service.name")
     access_log: bool = Field(
         default=True, description="one line per HTTP request on the attnserve.access logger (INFO)",
     )

@@ -91,6 +91,19 @@ class RequestTiming:
         stages.append(("total", ended - self.started))
         return [(name, max(seconds, 0.0) * 1000) for name, seconds in stages]
 
+    def intervals(self) -> list[tuple[str, float, float]]:
+        """(name, start, end) in `perf_counter` seconds of the stages with a place in time, for a
+        trace: `prepare`, `queue` (from the rows' queueing, as long as the longest wait) and
+        `inference`; those the request did not reach are left out."""
+        intervals: list[tuple[str, float, float]] = []
+        if self.enqueued is not None:
+            intervals.append(("prepare", self.started, self.enqueued))
+            if self.first_admitted is not None:
+                intervals.append(("queue", self.enqueued, self.enqueued + self.longest_wait_s))
+                if self.finished is not None:
+                    intervals.append(("inference", self.first_admitted, self.finished))
+        return intervals
+
     def milliseconds(self, ended: float) -> dict[str, float]:
         """The stages at `ended` by name, in milliseconds to the microsecond (a streamed answer's
         final event carries them)."""

@@ -23,7 +23,7 @@ _SETTING_FLAGS = (
     "request_timeout_s",
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
-    "max_large_responses", "public_metadata", "access_log",
+    "max_large_responses", "public_metadata", "access_log", "otlp_endpoint", "otlp_service_name",
 )
 
 
@@ -129,6 +129,10 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction,
                    help="log one line per HTTP request, with its X-Request-ID, on the attnserve.access "
                    "logger at INFO (default on)")
+    p.add_argument("--otlp-endpoint",
+                   help="send a trace span per request (and its stages) to this OTLP/HTTP collector, "
+                   "e.g. http://localhost:4318/v1/traces (needs the otel extra; default: no tracing)")
+    p.add_argument("--otlp-service-name", help="the traces' service.name (default attnserve)")
     p.add_argument("--fail-on-model-error", action="store_const", const=True,
                    help="exit (non-zero status) when a model fails to load, instead of staying "
                    "live and not ready")
@@ -149,6 +153,11 @@ def _serve(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except ValidationError as error:
         logger.error("invalid settings: %s", error)
+        return 2
+    from service.observability import tracing
+
+    if settings.otlp_endpoint and not tracing.available():
+        logger.error("--otlp-endpoint needs the otel extra: %s", tracing.EXTRA_HINT)
         return 2
     if settings.workers > 1:
         from service.process.workers import run_workers

@@ -81,6 +81,7 @@ async def _generate(
 ) -> GenerateResponse | Response:
     started = time.perf_counter()
     timing = RequestTiming(started)
+    request.state.timing = timing  # for the request's trace (service.observability.tracing)
     entry = registry.resolve(task, body.model)
     request.state.model = entry.name  # the metrics label of this request
     assert entry.runtime is not None and entry.batcher is not None

@@ -155,6 +155,7 @@ async def infer(
     inference = open_inference.parse_request(await request.body(),
                                      request.headers.get(open_inference.HEADER_LENGTH))
     timing = RequestTiming(time.perf_counter())
+    request.state.timing = timing  # for the request's trace (service.observability.tracing)
     where = [f"inputs.{open_inference.INPUT}[{i}]" for i in range(len(inference.texts))]
     prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
                                 inference.max_new_tokens, settings, where, truncate=inference.truncate,
