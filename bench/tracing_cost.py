@@ -1,16 +1,17 @@
-"""What tracing (`--otlp-endpoint`) costs the event loop per request: `TracingMiddleware` around
-an ASGI app that answers at once, against the same app without it, in alternating rounds.
+"""What tracing (`--otlp-endpoint`) costs per request: a FastAPI app with the server's tracing
+(FastAPI's request span, `TracingMiddleware`'s attributes and stage spans) against the same app
+without it, in alternating rounds.
 
     python -m bench.tracing_cost --out bench/results/tracing/tracing_cost.json
 
-The app answers 200 with a `RequestTiming` of a generation request in its state (so each request
-makes the server span and its three stage spans, as a translation does); the spans go to
-opentelemetry's `BatchSpanProcessor` and an exporter that encodes each batch as the OTLP/HTTP
-exporter does and drops it, so the figure is the SDK's work in the request and in its export
-thread, without the network. `--sampled` sets the share of
-traces kept (the `traceidratio` sampler: the rest cost a non-recording span each). The report
-gives the process CPU microseconds per request of each arm (median of the rounds) and their
-difference.
+The app's one route answers at once with a `RequestTiming` of a generation request in its state
+(so each traced request makes the server span and its three stage spans, as a translation does),
+called as ASGI without a server; the spans go to opentelemetry's `BatchSpanProcessor` and an
+exporter that encodes each batch as the OTLP/HTTP exporter does and drops it, so the figure is
+the SDK's work in the request and in its export thread, without the network. `--sampled` sets the
+share of traces kept (the `traceidratio` sampler: the rest cost a non-recording span each). The
+report gives the process CPU microseconds per request of each arm (median of the rounds) and
+their difference.
 """
 
 from __future__ import annotations
@@ -26,24 +27,37 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI, Request
+
 from bench import machine
 from service.observability.timing import RequestTiming
-from service.observability.tracing import TracingMiddleware
+from service.observability.tracing import TracingMiddleware, telemetry_config
 
-SCOPE = {"type": "http", "method": "POST", "path": "/v1/translate", "headers": [(b"content-type", b"application/json")]}
+SCOPE = {"type": "http", "http_version": "1.1", "scheme": "http", "method": "POST", "path": "/v1/translate",
+         "raw_path": b"/v1/translate", "query_string": b"", "root_path": "",
+         "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 5000),
+         "server": ("127.0.0.1", 8000)}
 
 
-async def _answer(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """An app that answers at once, leaving a generation request's state."""
-    now = time.perf_counter()
-    timing = RequestTiming(now - 0.010)
-    timing.queued(now - 0.0095)
-    timing.admitted(now - 0.009, now - 0.0095)
-    timing.joined(0.002)
-    timing.finished_at(now - 0.0005)
-    scope["state"].update(timing=timing, request_id="0" * 32, model="translate-en-it")
-    await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": b"{}"})
+def app(traced_provider: Any | None) -> Any:
+    """A FastAPI app whose one route answers at once, leaving a generation request's state; with
+    `traced_provider`, traced as the server traces."""
+    answering = FastAPI(telemetry=telemetry_config(traced_provider))
+
+    @answering.post("/v1/translate")
+    async def translate(request: Request) -> dict[str, str]:
+        now = time.perf_counter()
+        timing = RequestTiming(now - 0.010)
+        timing.queued(now - 0.0095)
+        timing.admitted(now - 0.009, now - 0.0095)
+        timing.joined(0.002)
+        timing.finished_at(now - 0.0005)
+        request.state.timing, request.state.request_id, request.state.model = timing, "0" * 32, "translate-en-it"
+        return {}
+
+    if traced_provider is not None:
+        answering.add_middleware(TracingMiddleware, provider=traced_provider)
+    return answering
 
 
 def provider(sampled: float, queue: int) -> Any:
@@ -70,7 +84,7 @@ async def cpu_us(app: Any, requests: int, flush: Any = None) -> float:
     """Process CPU microseconds per request of `app`, over `requests` requests and `flush()` (the
     export of their spans), when given."""
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
+        return {"type": "http.request", "body": b"{}", "more_body": False}
 
     async def send(message: dict[str, Any]) -> None:
         pass
@@ -86,13 +100,13 @@ async def cpu_us(app: Any, requests: int, flush: Any = None) -> float:
 def measure(requests: int, rounds: int, sampled: float) -> dict[str, Any]:
     """Both arms in alternating rounds: CPU microseconds per request of each, per round."""
     traced_provider = provider(sampled, 8 * requests)
-    arms = {"without tracing": _answer, "with tracing": TracingMiddleware(_answer, traced_provider)}
+    arms = {"without tracing": app(None), "with tracing": app(traced_provider)}
     flushes = {"without tracing": None, "with tracing": traced_provider.force_flush}
     rounds_us: dict[str, list[float]] = {name: [] for name in arms}
 
     async def run() -> None:
-        for name, app in arms.items():  # warm-up
-            await cpu_us(app, max(requests // 10, 1), flushes[name])
+        for name, arm in arms.items():  # warm-up
+            await cpu_us(arm, max(requests // 10, 1), flushes[name])
         for turn in range(rounds):
             for name in (list(arms) if turn % 2 == 0 else list(arms)[::-1]):
                 rounds_us[name].append(await cpu_us(arms[name], requests, flushes[name]))

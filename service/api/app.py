@@ -5,8 +5,8 @@ once and turns ready when they are loaded; one of several `--workers` processes 
 for them before it accepts connections) and, at shutdown, drains the batchers. ASGI
 middlewares sit around the routes, outermost first: one gives each request its id (its
 `X-Request-ID` header, else a new one), sends it back on every answer and logs the request's
-access line (`service.api.request_id`); with tracing on, one sends the request's span
-(`service.observability.tracing`); one records `requests_total` and
+access line (`service.api.request_id`); with tracing on, one adds the request's id, model and
+stages to its span (FastAPI's, `service.observability.tracing`); one records `requests_total` and
 `request_duration_seconds` by route template (never the raw path); one refuses a generation
 request every model of its task would refuse, before its body is read (`service.api.shed`);
 one answers 408 when a
@@ -119,6 +119,7 @@ def create_app(
         summary="Translation and summarization on onnxruntime, with dynamic batching",
         version="0.1.0",
         lifespan=lifespan,
+        telemetry=tracing.telemetry_config(tracer_provider),  # the request spans, with tracing on
         openapi_url=None,  # served by `service.api.routes.docs`, behind the API key
         docs_url=None,
         redoc_url=None,
@@ -141,7 +142,7 @@ def create_app(
     app.add_middleware(ShedMiddleware, shedder=shedder)
     app.add_middleware(RequestMetricsMiddleware)  # sees every status
     if tracer_provider is not None:
-        app.add_middleware(TracingMiddleware, provider=tracer_provider)  # reads the request's id
+        app.add_middleware(TracingMiddleware, provider=tracer_provider)  # names FastAPI's span
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the request's id
     logs.ACCESS.disabled = not settings.access_log
     # the inference routes check the bearer token and (but KServe v2's, JSON or binary) the

@@ -3,14 +3,40 @@ adds less."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench.tracing_cost import main
+from bench.tracing_cost import SCOPE, app, main
 
 pytest.importorskip("opentelemetry.sdk")
+
+
+def test_the_apps_answer_and_the_traced_one_makes_the_servers_spans() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    traced = TracerProvider()
+    traced.add_span_processor(SimpleSpanProcessor(exporter))
+    for provider in (None, traced):
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message: dict[str, Any], sent: list[dict[str, Any]] = sent) -> None:
+            sent.append(message)
+
+        asyncio.run(app(provider)({**SCOPE, "state": {}}, receive, send))
+        assert sent[0]["status"] == 200
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {"POST /v1/translate", "prepare", "queue", "inference"}
+    assert spans["POST /v1/translate"].attributes["attnserve.request_id"] == "0" * 32
 
 
 def test_tracing_cost_times_both_arms(tmp_path: Path) -> None:
