@@ -208,9 +208,10 @@ def _requirement_name(requirement: str) -> str:
 
 def test_gpu_dockerfile_installs_the_server_extra_with_onnxruntime_gpu() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
     wanted = {
         _requirement_name(r)
-        for r in project["dependencies"] + project["optional-dependencies"]["server"]
+        for r in project["dependencies"] + extras["server"] + extras["otel"]
     }
     text = DOCKERFILES["gpu"].read_text()
     pinned = {
