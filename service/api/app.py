@@ -3,11 +3,11 @@
 The lifespan starts loading the models in the background (the app answers `/health/live` at
 once and turns ready when they are loaded; one of several `--workers` processes instead waits
 for them before it accepts connections) and, at shutdown, drains the batchers. ASGI
-middlewares sit around the routes, outermost first: one gives each request its id (its
-`X-Request-ID` header, else a new one), sends it back on every answer and logs the request's
-access line (`service.api.request_id`); with tracing on, one adds the request's id, model and
-stages to its span (FastAPI's, `service.observability.tracing`); one records `requests_total` and
-`request_duration_seconds` by route template (never the raw path); one refuses a generation
+middlewares sit around the routes, outermost first: one records `requests_total` and
+`request_duration_seconds` by route template (never the raw path), gives each request its id
+(its `X-Request-ID` header, else a new one), sends it back on every answer and logs the
+request's access line (`service.api.request_id`); with tracing on, one adds the request's id,
+model and stages to its span (FastAPI's, `service.observability.tracing`); one refuses a generation
 request every model of its task would refuse, before its body is read (`service.api.shed`);
 one answers 408 when a
 request's body has not arrived within `body_timeout_s`; one answers 429 beyond
@@ -42,8 +42,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.deadline import HEADER as TIMEOUT_HEADER
 from service.api.errors import error_response, install_error_handlers
+from service.api.request_id import CLIENT_GONE, id_header, log_access, request_id
 from service.api.request_id import HEADER as REQUEST_ID_HEADER
-from service.api.request_id import RequestIdMiddleware
 from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
 from service.api.routes.deps import Serving
 from service.api.shed import SHED_STATE, Shedder, ShedMiddleware
@@ -140,10 +140,9 @@ def create_app(
         )
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     app.add_middleware(ShedMiddleware, shedder=shedder)
-    app.add_middleware(RequestMetricsMiddleware)  # sees every status
     if tracer_provider is not None:
         app.add_middleware(TracingMiddleware, provider=tracer_provider)  # names FastAPI's span
-    app.add_middleware(RequestIdMiddleware)  # outermost: every answer carries the request's id
+    app.add_middleware(RequestMetricsMiddleware)  # outermost: sees every status, ids every answer
     logs.ACCESS.disabled = not settings.access_log
     # the inference routes check the bearer token and (but KServe v2's, JSON or binary) the
     # body's type in their one dependency (`service.api.routes.deps`)
@@ -169,7 +168,9 @@ async def _refuse_failed_models(registry: ModelRegistry) -> None:
 
 
 class RequestMetricsMiddleware:
-    """Counts and times every HTTP request by route template, model and status class."""
+    """Counts and times every HTTP request by route template, model and status class (a request
+    answered with nothing counts as 500); gives it its id, sent back on its answer and carried by
+    the records logged meanwhile, and logs its access line (`service.api.request_id`)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -179,17 +180,32 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = 500
+        identity = request_id(scope)
+        scope.setdefault("state", {})["request_id"] = identity
+        header = id_header(identity)
+        status: int | None = None
+        token = logs.REQUEST_ID.set(identity)
 
-        async def send_and_record_status(message: Message) -> None:
+        async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+                message = {**message, "headers": [*message.get("headers", ()), header]}
             await send(message)
 
+        failed = False
         try:
-            await self.app(scope, receive, send_and_record_status)
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            failed = True
+            if status is None:  # the app's error handler answers it, outside the middlewares
+                status = 500
+            raise
         finally:
+            if not failed:  # else the error handler's record, made after this, still names the request
+                logs.REQUEST_ID.reset(token)
+            log_access(scope, CLIENT_GONE if status is None else status, started, identity)
+            status = 500 if status is None else status
             state = scope.get("state", {})
             # the matched route's template; a request shed before routing names its route
             template = getattr(scope.get("route"), "path", None) or state.get("route") or UNMATCHED_ROUTE

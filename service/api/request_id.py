@@ -1,4 +1,5 @@
-"""Each HTTP request's id, and its access line.
+"""Each HTTP request's id, and its access line: what the app's outermost middleware
+(`service.api.app.RequestMetricsMiddleware`) and the server's protocol use.
 
 A request's id is its `X-Request-ID` header when that is 1 to 128 visible ASCII characters, else
 a new random one (32 hex digits). Every answer of the app carries it back in `X-Request-ID`, the
@@ -20,9 +21,9 @@ import time
 import uuid
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
 
-from service.observability.logs import ACCESS, REQUEST_ID
+from service.observability.logs import ACCESS
 
 HEADER = "X-Request-ID"
 MAX_LENGTH = 128
@@ -59,42 +60,3 @@ def log_access(scope: Scope, status: int, started: float, value: str, model: str
                               "duration_ms": milliseconds, "client": address, "model": model}
     ACCESS.info("%s %s %d %.1f ms %s request_id=%s", method, path, status, milliseconds, address or "-", value,
                 extra=fields)
-
-
-class RequestIdMiddleware:
-    """Gives each HTTP request its id and logs its access line (the module's docstring); the
-    outermost of the app's middlewares, so that every answer of the app carries the id."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        value = request_id(scope)
-        scope.setdefault("state", {})["request_id"] = value
-        header = id_header(value)
-        status = CLIENT_GONE
-        token = REQUEST_ID.set(value)
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-                message = {**message, "headers": [*message.get("headers", ()), header]}
-            await send(message)
-
-        failed = False
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception:
-            failed = True
-            if status == CLIENT_GONE:  # the app's error handler answers it, outside this middleware
-                status = 500
-            raise
-        finally:
-            if not failed:  # else the error handler's record, made after this, still names the request
-                REQUEST_ID.reset(token)
-            log_access(scope, status, started, value)

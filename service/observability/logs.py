@@ -3,7 +3,7 @@ is handled carrying that request's id, and one access line per HTTP request.
 
 `configure(level, log_format)` sets the root logger up once per process (`attnserve --log-level
 --log-format`; a `--workers` process reads both from its environment). `REQUEST_ID` holds the id
-of the request whose task is running (`service.api.request_id` sets it); a filter on the handler
+of the request whose task is running (the app's outermost middleware sets it); a filter on the handler
 copies it onto every record as `request_id`, so an error logged by a route names the request the
 client can quote from its `X-Request-ID` header. `ACCESS` is the access lines' logger: its records
 carry `method`, `path`, `status`, `duration_ms`, `client` and, for an inference route, `model`.
