@@ -155,7 +155,7 @@ class ConnectionSampler:
         self._thread.join()
 
 
-def _event_loop_cpu_seconds(pid: int) -> float:
+def event_loop_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of the main threads of a process and its children: the server's
     event loop, or with `--workers` each worker process's (and the supervisor's, which idles)."""
     total = 0.0
@@ -169,7 +169,7 @@ def _event_loop_cpu_seconds(pid: int) -> float:
     return total
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process and its children."""
     process = psutil.Process(pid)
     total = 0.0
@@ -191,8 +191,8 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
         url = server.url + "/v1/translate"  # the repository's translation model
         asyncio.run(load.closed_loop(url, load.text_bodies(texts[: 2 * concurrency]), concurrency))  # warm-up
         assert server.process is not None
-        cpu_before = _cpu_seconds(server.process.pid)
-        loop_before = _event_loop_cpu_seconds(server.process.pid)
+        cpu_before = cpu_seconds(server.process.pid)
+        loop_before = event_loop_cpu_seconds(server.process.pid)
         generator_before = time.process_time()  # this process's CPU: the load generator's
         port = int(server.url.rsplit(":", 1)[1])
         sampler = ConnectionSampler(server.process.pid, port)
@@ -206,8 +206,8 @@ def measure(models_dir: Path, model: str, texts: list[str], concurrency: int, fl
             sampler.stop()
         generator_cpu = time.process_time() - generator_before
         cards = httpx.get(server.url + "/v1/models", timeout=10).json()["models"]
-        cpu = _cpu_seconds(server.process.pid) - cpu_before
-        loop_cpu = _event_loop_cpu_seconds(server.process.pid) - loop_before
+        cpu = cpu_seconds(server.process.pid) - cpu_before
+        loop_cpu = event_loop_cpu_seconds(server.process.pid) - loop_before
     finally:
         peak = server.stop()
     stats = result.stats().to_dict()

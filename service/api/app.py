@@ -22,7 +22,8 @@ server's: `service.process.http`.
 Security and operations: the inference routes take JSON only (415) and need the bearer token
 when `api_key` is set (`service.api.auth`); CORS is closed unless `cors_origins` lists origins;
 with `metrics_port` the metrics are served on their own port (`service.observability.metrics_server`) and
-not on this app; with `fail_on_model_error` a model that fails to load makes the startup fail
+not on this app; with `grpc_port` the lifespan serves KServe v2 over gRPC too, beside the app
+(`service.api.grpc_inference`); with `fail_on_model_error` a model that fails to load makes the startup fail
 (the process exits) instead of leaving the server live and not ready.
 """
 
@@ -107,9 +108,17 @@ def create_app(
             # the lifespan's startup, so a restarted worker takes none (and answers no 503) before
             # its models are loaded, while the others serve.
             await registry.wait_settled()
+        grpc_server = None
+        if settings.grpc_port is not None:
+            from service.api import grpc_inference  # the grpc extra
+
+            grpc_server = await grpc_inference.start(registry, settings)
+            app.state.grpc_port = grpc_server.port
         try:
             yield {SHED_STATE: shedder}  # the server's protocol sheds with it (service.api.shed)
         finally:
+            if grpc_server is not None:  # new calls refused; those in flight finish first
+                await grpc_server.stop(settings.drain_timeout_s)
             await registry.close(settings.drain_timeout_s)
             if tracer_provider is not None:
                 tracer_provider.shutdown()  # the spans not yet sent go now

@@ -43,11 +43,22 @@ def request_deadline(
 
     Raises `InvalidInput` (422) for a header that is not a positive whole number.
     """
-    asked_ms = body_timeout_ms if body_timeout_ms is not None else _header_ms(request)
-    budget_s = settings.request_timeout_s
-    if asked_ms is not None:
-        budget_s = min(budget_s, asked_ms / 1000)
+    budget_s = request_budget_s(request, body_timeout_ms, settings)
     return Deadline(at=started + budget_s, budget_s=budget_s)
+
+
+def request_budget_s(request: Request, body_timeout_ms: int | None, settings: Settings) -> float:
+    """The seconds `request` may take: the first of the body's timeout, the header's and
+    `request_timeout_s`, and never more than `request_timeout_s` (`InvalidInput` as
+    `request_deadline`)."""
+    asked_ms = body_timeout_ms if body_timeout_ms is not None else _header_ms(request)
+    return within_budget(asked_ms / 1000 if asked_ms is not None else None, settings)
+
+
+def within_budget(asked_s: float | None, settings: Settings) -> float:
+    """The seconds a request asking for `asked_s` (None: nothing asked) may take: at most
+    `request_timeout_s`."""
+    return settings.request_timeout_s if asked_s is None else min(settings.request_timeout_s, asked_s)
 
 
 def header_ms(value: str) -> int | None:

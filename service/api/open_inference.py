@@ -26,6 +26,7 @@ holding control characters or lone surrogates, as `/v1` refuses them
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -43,10 +44,17 @@ from pydantic import (
     StrictStr,
     ValidationError,
 )
+from starlette.requests import Request
 
+from service.api import pipeline
+from service.api.deadline import Deadline
+from service.api.decode_options import decode_options, whole_texts
 from service.api.errors import describe_validation_errors
 from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, PrefixText, clean_text
-from service.core.errors import InvalidInput, shorten
+from service.core.errors import InvalidInput, ModelNotFound, shorten
+from service.core.registry import ModelEntry, ModelRegistry
+from service.core.settings import Settings
+from service.observability.timing import RequestTiming
 
 PLATFORM = "attnserve"
 MODEL_VERSION = "1"
@@ -105,6 +113,17 @@ def model_metadata(name: str) -> ModelMetadata:
         outputs=[*(TensorMetadata(name=n, datatype=BYTES, shape=[-1]) for n in OUTPUTS),
                  TensorMetadata(name=SCORE, datatype=FP32, shape=[-1])],
     )
+
+
+def known_model(registry: ModelRegistry, name: str, version: str) -> ModelEntry:
+    """The model's entry (ready or not); `ModelNotFound` for an unknown name or version."""
+    entry = next((e for e in registry.entries if e.name == name), None)
+    if entry is None:
+        raise ModelNotFound(f"no model {shorten(repr(name))} on this server")
+    if version != MODEL_VERSION:
+        raise ModelNotFound(f"model {name!r} has no version {shorten(repr(version))}; "
+                            f"it has {MODEL_VERSION!r}")
+    return entry
 
 
 # ---------------------------------------------------------------- inference request
@@ -200,6 +219,13 @@ def parse_request(body: bytes, header_length: str | None) -> Inference:
         raise InvalidInput("the request body is not valid JSON") from None
     except RecursionError:
         raise InvalidInput("the request body is JSON nested too deep") from None
+    return parse_document(document, binary)
+
+
+def parse_document(document: Any, binary: bytes = b"") -> Inference:
+    """The texts, options and outputs of an infer request in its JSON form, `binary` the bytes
+    of an input with `binary_data_size` (the binary extension over REST, the raw contents over
+    gRPC: `service.api.grpc_inference`); `InvalidInput` when malformed."""
     request = _validated(InferenceRequest, document)
     parameters = _validated(InferParameters, request.parameters or {}, "parameters")
     if len(request.inputs) != 1 or request.inputs[0].name != INPUT:
@@ -361,3 +387,32 @@ def response_body(
     if not chunks:
         return header, None
     return header + b"".join(chunks), len(header)
+
+
+# ---------------------------------------------------------------- inference
+
+
+async def generate(
+    entry: ModelEntry, inference: Inference, settings: Settings, timing: RequestTiming,
+    budget_s: float, request: Request | None = None,
+) -> dict[str, list[Any]]:
+    """Every text of `inference` through the model's batcher (`service.api.pipeline`), within
+    `budget_s` of its preparation (with `request`, dropped once its HTTP client goes away);
+    each output's elements, by name (`score` with `return_scores`). The same over REST and gRPC."""
+    where = [f"inputs.{INPUT}[{i}]" for i in range(len(inference.texts))]
+    prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
+                                inference.max_new_tokens, settings, where, truncate=inference.truncate,
+                                whole_texts=whole_texts(return_scores=inference.return_scores,
+                                                        target_prefix=inference.target_prefix))
+    options = decode_options(prepared.runtime, len(inference.texts), inference.beam_size,
+                             prepared.max_new_tokens, return_scores=inference.return_scores,
+                             target_prefix=inference.target_prefix, where="parameters.target_prefix")
+    prepared = dataclasses.replace(prepared, options=options)
+    deadline = Deadline(at=prepared.started + budget_s, budget_s=budget_s)
+    results = await pipeline.generate(prepared, settings, deadline, request, timing)
+    outputs = pipeline.outputs(prepared, results)
+    values: dict[str, list[Any]] = {"output": [o.text for o in outputs],
+                                    "finish_reason": [o.finish_reason for o in outputs]}
+    if inference.return_scores:  # one row per text (`whole_texts`)
+        values[SCORE] = [options.extras(prepared.runtime, r).get("score", math.nan) for r in results]
+    return values

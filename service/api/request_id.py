@@ -35,9 +35,14 @@ def request_id(scope: Scope) -> str:
     """The id of the request of `scope`: its `X-Request-ID` header if usable, else a new one."""
     for name, value in scope.get("headers", ()):
         if name == _HEADER:
-            if 0 < len(value) <= MAX_LENGTH and all(0x21 <= byte <= 0x7E for byte in value):
-                return bytes(value).decode("ascii")
-            break
+            return id_from(value)
+    return uuid.uuid4().hex
+
+
+def id_from(value: bytes | None) -> str:
+    """`value` (a request's `X-Request-ID`, or None) as its id if usable, else a new one."""
+    if value is not None and 0 < len(value) <= MAX_LENGTH and all(0x21 <= byte <= 0x7E for byte in value):
+        return bytes(value).decode("ascii")
     return uuid.uuid4().hex
 
 

@@ -222,6 +222,11 @@ class Settings(BaseSettings):
         default=None, ge=0, le=65535,
         description="serve /metrics on this port instead of the main one",
     )
+    grpc_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="serve KServe v2 over gRPC on this port too (tritonclient[grpc]; needs the grpc "
+        "extra; 0: any free port); None = no gRPC",
+    )
     otlp_endpoint: str | None = Field(
         default=None, description="send a trace span per request to this OTLP/HTTP collector URL "
         "(e.g. http://localhost:4318/v1/traces; needs the otel extra); None = no tracing",
@@ -295,6 +300,8 @@ class Settings(BaseSettings):
             raise ValueError("max_texts must not exceed max_queue_size")
         if self.metrics_port is not None and self.workers > 1:
             raise ValueError("metrics_port needs workers=1 (each worker has its own metrics)")
+        if self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
+            raise ValueError("grpc_port must differ from port and metrics_port")
         if self.graceful_timeout_s is not None and self.graceful_timeout_s < self.request_timeout_s:
             raise ValueError("graceful_timeout_s must be at least request_timeout_s: a request "
                              "admitted just before the shutdown may take that long")

@@ -24,6 +24,7 @@ _SETTING_FLAGS = (
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
     "max_large_responses", "public_metadata", "access_log", "otlp_endpoint", "otlp_service_name",
+    "grpc_port",
 )
 
 
@@ -113,6 +114,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    "one loads every model (default 1)")
     p.add_argument("--metrics-port", type=int,
                    help="serve /metrics on this port instead of the main one (workers=1)")
+    p.add_argument("--grpc-port", type=int,
+                   help="serve KServe v2 over gRPC on this port too, for tritonclient[grpc] (needs the "
+                   "grpc extra; default: no gRPC)")
     p.add_argument("--cors-origins",
                    help="origins allowed by CORS, comma-separated (default: none, closed)")
     p.add_argument("--header-timeout-s", type=float,
@@ -159,6 +163,9 @@ def _serve(args: argparse.Namespace) -> int:
     if settings.otlp_endpoint and not tracing.available():
         logger.error("--otlp-endpoint needs the otel extra: %s", tracing.EXTRA_HINT)
         return 2
+    if settings.grpc_port is not None and not _grpc_available():
+        logger.error("--grpc-port needs the grpc extra: %s", GRPC_EXTRA_HINT)
+        return 2
     if settings.workers > 1:
         from service.process.workers import run_workers
 
@@ -190,6 +197,16 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     logger.info("drained and stopped")
     return 0
+
+
+GRPC_EXTRA_HINT = "pip install 'attnserve[grpc]'"
+
+
+def _grpc_available() -> bool:
+    """Whether the `grpc` extra (grpcio and protobuf) is installed."""
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) is not None for name in ("grpc", "google.protobuf"))
 
 
 def _draining_server(config: Any, registry: ModelRegistry, delay_s: float) -> Any:

@@ -17,7 +17,7 @@ from attnserve import cli
 
 def _extra_only_modules() -> set[str]:
     """Top-level modules of the distributions that only the train, bench or dev extras bring
-    (not the base dependencies, not the serving extras: server, serve, gpu and otel, whose
+    (not the base dependencies, not the serving extras: server, serve, gpu, grpc and otel, whose
     opentelemetry FastAPI imports itself wherever it is installed)."""
     def normal(name: str) -> str:
         return re.sub(r"[-_.]+", "-", name).lower()
@@ -27,7 +27,7 @@ def _extra_only_modules() -> set[str]:
         name, _, marker = requirement.partition(";")
         distribution = normal(re.match(r"[A-Za-z0-9._-]+", name.strip()).group(0))
         extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
-        (others if extra and extra.group(1) not in ("server", "serve", "gpu", "otel") else serving).add(distribution)
+        (others if extra and extra.group(1) not in ("server", "serve", "gpu", "grpc", "otel") else serving).add(distribution)
     extra_only = others - serving
     return {module for module, distributions in importlib.metadata.packages_distributions().items()
             if any(normal(d) in extra_only for d in distributions)} | {"bench"}

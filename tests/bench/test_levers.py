@@ -16,10 +16,10 @@ import pytest
 from bench.levers import (
     BASELINE,
     ConnectionSampler,
-    _cpu_seconds,
-    _event_loop_cpu_seconds,
     baseline_name,
     connections_per_process,
+    cpu_seconds,
+    event_loop_cpu_seconds,
     main,
 )
 
@@ -43,7 +43,7 @@ def test_levers_measure_each_variant(tiny_bench_dirs: tuple[Path, Path], tmp_pat
     assert continuous["errors"] == dynamic["errors"] == 0
     assert continuous["batching"]["continuous"] and not dynamic["batching"]["continuous"]
     # the server's CPU is not asserted here: it comes in clock ticks, and 8 tiny requests may take
-    # less than one (`_cpu_seconds` is tested on a child that spins, below)
+    # less than one (`cpu_seconds` is tested on a child that spins, below)
     assert dynamic["flags"] == ["--no-continuous-batching"]
     # the running batch's key/value memory; request-level batches hold none between requests
     assert continuous["batching"]["max_cache_bytes"] > 0 == dynamic["batching"]["max_cache_bytes"]
@@ -219,11 +219,11 @@ def test_the_event_loops_cpu_counts_each_server_process_main_thread() -> None:
                               "while time.process_time() - t < 0.5: pass\ntime.sleep(30)")])
     try:
         for _ in range(100):
-            if _event_loop_cpu_seconds(os.getpid()) - _own_main_thread_seconds() >= 0.5:
+            if event_loop_cpu_seconds(os.getpid()) - _own_main_thread_seconds() >= 0.5:
                 break
             time.sleep(0.05)
-        assert _event_loop_cpu_seconds(os.getpid()) - _own_main_thread_seconds() >= 0.5  # the child's counted
-        assert _cpu_seconds(child.pid) >= 0.5  # and in the process tree's CPU
+        assert event_loop_cpu_seconds(os.getpid()) - _own_main_thread_seconds() >= 0.5  # the child's counted
+        assert cpu_seconds(child.pid) >= 0.5  # and in the process tree's CPU
     finally:
         child.kill()
         child.wait()

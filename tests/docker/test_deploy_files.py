@@ -61,7 +61,8 @@ K8S_ALL = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"
 K8S_MANIFESTS = [p for p in K8S_ALL if _kind(p) not in CRD_SCHEMAS]  # core kinds
 CUSTOM_RESOURCES = [p for p in K8S_ALL + sorted(KSERVE.glob("*.yaml")) if _kind(p) in CRD_SCHEMAS]
 
-SERVE_CMD = ["attnserve", "serve", "--host", "0.0.0.0", "--port", "8000", "--models", "/app/models"]
+SERVE_CMD = ["attnserve", "serve", "--host", "0.0.0.0", "--port", "8000", "--grpc-port", "8001",
+             "--models", "/app/models"]
 DRAIN_SECONDS = Settings().drain_timeout_s  # what the server drains for by default
 METRIC_NAME = re.compile(r"\battnserve_[a-z_]+")
 
@@ -211,7 +212,7 @@ def test_gpu_dockerfile_installs_the_server_extra_with_onnxruntime_gpu() -> None
     extras = project["optional-dependencies"]
     wanted = {
         _requirement_name(r)
-        for r in project["dependencies"] + extras["server"] + extras["otel"]
+        for r in project["dependencies"] + extras["server"] + extras["otel"] + extras["grpc"]
     }
     text = DOCKERFILES["gpu"].read_text()
     pinned = {

@@ -185,6 +185,7 @@ class Stack:
     env: dict[str, str]
     attnserve: str  # base URL through the published port
     prometheus: str
+    grpc: str  # host:port of KServe v2 over gRPC, through the published port
     container: str  # attnserve's container id
     up_s: float = 0.0
     ready_s: float = 0.0
@@ -222,13 +223,15 @@ def _ready(url: str) -> bool:
 @pytest.fixture(scope="module")
 def stack(docker_engine: Engine, image: Image, results: dict[str, Any]) -> Iterator[Stack]:
     """attnserve and Prometheus of docker/docker-compose.yml, on free loopback ports."""
-    ports = {"ATTNSERVE_HOST_PORT": _free_port(), "PROMETHEUS_HOST_PORT": _free_port()}
+    ports = {"ATTNSERVE_HOST_PORT": _free_port(), "ATTNSERVE_GRPC_HOST_PORT": _free_port(),
+             "PROMETHEUS_HOST_PORT": _free_port()}
     env = {**docker_engine.env, **{k: str(v) for k, v in ports.items()}}
     env.pop("ATTNSERVE_BIND", None)  # the file's default: 127.0.0.1
     stack = Stack(
         env=env,
         attnserve=f"http://127.0.0.1:{ports['ATTNSERVE_HOST_PORT']}",
         prometheus=f"http://127.0.0.1:{ports['PROMETHEUS_HOST_PORT']}",
+        grpc=f"127.0.0.1:{ports['ATTNSERVE_GRPC_HOST_PORT']}",
         container="",
     )
     stack.compose("down", "-v", "-t", "5")  # what a crashed run left
@@ -257,9 +260,9 @@ def test_image_is_built_from_the_dockerfile(image: Image, docker_engine: Engine)
     config = _inspect(image.name, docker_engine.env, "image")["Config"]
     assert config["User"] == "10001:10001"
     assert config["Cmd"] == ["attnserve", "serve", "--host", "0.0.0.0", "--port", "8000",
-                             "--models", "/app/models"]
+                             "--grpc-port", "8001", "--models", "/app/models"]
     assert "/health/ready" in " ".join(config["Healthcheck"]["Test"])
-    assert "8000/tcp" in config["ExposedPorts"]
+    assert {"8000/tcp", "8001/tcp"} <= set(config["ExposedPorts"])
     assert image.size_bytes > image.base_size_bytes
 
 
@@ -337,6 +340,26 @@ def test_open_inference_protocol_through_the_published_port(stack: Stack) -> Non
     assert inferred.status_code == 200, inferred.text
     outputs = {o["name"]: o["data"] for o in inferred.json()["outputs"]}
     assert "pacchetto" in outputs["output"][0].lower(), outputs
+
+
+def test_grpc_through_the_published_port(stack: Stack) -> None:
+    """KServe v2 over gRPC (the image's --grpc-port 8001) with the stock client: the REST
+    route's output for the same sentence."""
+    import numpy as np
+
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    with httpx.Client(base_url=stack.attnserve, timeout=60) as client:
+        rest = client.post("/v2/models/translate-en-it/infer", json={"inputs": [
+            {"name": "text", "datatype": "BYTES", "shape": [1], "data": [SENTENCES[0]]}]})
+    client = grpcclient.InferenceServerClient(stack.grpc)
+    try:
+        assert client.is_server_ready() and client.is_model_ready("translate-en-it")
+        text = grpcclient.InferInput("text", [1], "BYTES")
+        text.set_data_from_numpy(np.array([SENTENCES[0].encode()], dtype=np.object_))
+        result = client.infer("translate-en-it", [text])
+    finally:
+        client.close()
+    assert [t.decode() for t in result.as_numpy("output").tolist()] == rest.json()["outputs"][0]["data"]
 
 
 # ---- Prometheus and the dashboard ---------------------------------------------------------------

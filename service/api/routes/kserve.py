@@ -9,9 +9,7 @@ service's statuses except that bad input is a 400 (not 422). Conversion: `servic
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
@@ -22,14 +20,12 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from service.api import open_inference, pipeline
+from service.api import open_inference
 from service.api.auth import require_api_key_for_metadata
-from service.api.deadline import request_deadline
-from service.api.decode_options import decode_options, whole_texts
+from service.api.deadline import request_budget_s
 from service.api.errors import describe_validation_errors, status_of
 from service.api.routes.deps import AuthorizedDep, RegistryDep
-from service.core.errors import ModelNotFound, ServiceError, shorten
-from service.core.registry import ModelEntry, ModelRegistry
+from service.core.errors import ServiceError
 from service.observability.timing import SERVER_TIMING, RequestTiming
 
 logger = logging.getLogger(__name__)
@@ -103,7 +99,7 @@ async def model_metadata(
 ) -> open_inference.ModelMetadata:
     """The model's inputs and outputs (known while it loads); with `api_key`, the token is
     needed (unless `public_metadata`)."""
-    _known(registry, name, version)
+    open_inference.known_model(registry, name, version)
     return open_inference.model_metadata(name)
 
 
@@ -114,7 +110,7 @@ async def model_ready(
     name: str, registry: RegistryDep, version: str = open_inference.MODEL_VERSION
 ) -> Response:
     """200 when the model is ready; 503 while it loads or after it failed; 404 unknown."""
-    _known(registry, name, version)
+    open_inference.known_model(registry, name, version)
     registry.resolve(None, name)
     return Response(status_code=200)
 
@@ -149,45 +145,18 @@ async def infer(
     and parsed, as FastAPI has done before the /v1 routes start, to the outputs gathered, before
     their encoding, as there)."""
     registry, settings = serving.registry, serving.settings
-    _known(registry, name, version)
+    open_inference.known_model(registry, name, version)
     entry = registry.resolve(None, name)
     request.state.model = entry.name  # the metrics label of this request
     inference = open_inference.parse_request(await request.body(),
                                      request.headers.get(open_inference.HEADER_LENGTH))
     timing = RequestTiming(time.perf_counter())
     request.state.timing = timing  # for the request's trace (service.observability.tracing)
-    where = [f"inputs.{open_inference.INPUT}[{i}]" for i in range(len(inference.texts))]
-    prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
-                                inference.max_new_tokens, settings, where, truncate=inference.truncate,
-                                whole_texts=whole_texts(return_scores=inference.return_scores,
-                                                        target_prefix=inference.target_prefix))
-    options = decode_options(prepared.runtime, len(inference.texts), inference.beam_size,
-                             prepared.max_new_tokens, return_scores=inference.return_scores,
-                             target_prefix=inference.target_prefix, where="parameters.target_prefix")
-    prepared = dataclasses.replace(prepared, options=options)
-    deadline = request_deadline(request, None, settings, prepared.started)  # header only
-    results = await pipeline.generate(prepared, settings, deadline, request, timing)
-    outputs = pipeline.outputs(prepared, results)
-    values: dict[str, Any] = {"output": [o.text for o in outputs],
-                              "finish_reason": [o.finish_reason for o in outputs]}
-    if inference.return_scores:  # one row per text (`whole_texts`)
-        values[open_inference.SCORE] = [options.extras(prepared.runtime, r).get("score", math.nan)
-                                        for r in results]
+    budget_s = request_budget_s(request, None, settings)  # header only
+    values = await open_inference.generate(entry, inference, settings, timing, budget_s, request)
     headers = {SERVER_TIMING: timing.header(time.perf_counter())}
     body, header_length = open_inference.response_body(entry.name, inference, values)
     if header_length is None:
         return Response(body, media_type="application/json", headers=headers)
     return Response(body, media_type="application/octet-stream",
                     headers={**headers, open_inference.HEADER_LENGTH: str(header_length)})
-
-
-def _known(registry: ModelRegistry, name: str, version: str) -> ModelEntry:
-    """The model's entry (ready or not), or 404 for an unknown name or version."""
-    entry = next((e for e in registry.entries if e.name == name), None)
-    if entry is None:
-        raise ModelNotFound(f"no model {shorten(repr(name))} on this server")
-    if version != open_inference.MODEL_VERSION:
-        raise ModelNotFound(f"model {name!r} has no version {shorten(repr(version))}; "
-                            f"it has {open_inference.MODEL_VERSION!r}")
-    return entry
-

@@ -1,0 +1,299 @@
+"""KServe v2 / the Open Inference Protocol over gRPC (`grpc_port`, the `grpc` extra): what
+`tritonclient[grpc]` speaks, served beside the REST routes (`service.api.routes.kserve`) by the
+same process, on the same event loop, models and batchers.
+
+The service `inference.GRPCInferenceService` answers its core methods: `ServerLive`,
+`ServerReady`, `ModelReady` (false for an unknown model, as a probe expects), `ServerMetadata`,
+`ModelMetadata` and `ModelInfer`; Triton's own additions (streaming, model control, shared
+memory, statistics) answer UNIMPLEMENTED. The messages: `service.api.grpc_messages`.
+
+`ModelInfer` is the REST infer route's work (`service.api.open_inference`): the BYTES input
+`text` from `raw_input_contents` (each element a 4-byte little-endian length, then its bytes,
+as tritonclient sends it) or `contents.bytes_contents`, the same request parameters and
+outputs, and the same checks and messages; outputs come back in `raw_output_contents`, as
+Triton sends them. The client's gRPC deadline is the request's (at most `request_timeout_s`),
+and a call the client cancels, or whose deadline passes, has its rows dropped from the batch.
+
+Every call, as every HTTP request: its id from the `x-request-id` metadata (else a new one) in
+the initial metadata of the answer and on the records logged meanwhile, one access line, and
+`requests_total` / `request_duration_seconds` with the method's path (`/inference.
+GRPCInferenceService/ModelInfer`) as the route and the status the REST route would answer
+(400 for bad input). A successful infer's stages go in the trailing metadata `server-timing`.
+With `api_key`, `ModelInfer` (and `ModelMetadata`, unless `public_metadata`) need the metadata
+`authorization: Bearer <key>`. Errors carry the service's message and the gRPC code of its
+kind (`CODES`): bad input INVALID_ARGUMENT, unknown model NOT_FOUND, a full queue
+RESOURCE_EXHAUSTED (with a `retry-after` trailer, seconds), not ready UNAVAILABLE, past the
+deadline DEADLINE_EXCEEDED, anything unexpected INTERNAL with a fixed message (the trace goes
+to the log). Messages over `max_body_bytes` are refused by gRPC itself (RESOURCE_EXHAUSTED),
+and calls beyond `max_connections` at once too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from service.api import grpc_messages as pb
+from service.api import open_inference
+from service.api.auth import check_api_key
+from service.api.deadline import within_budget
+from service.api.errors import status_of
+from service.api.request_id import CLIENT_GONE, id_from, log_access
+from service.core.errors import InvalidInput, Overloaded, ServiceError
+from service.core.registry import ModelRegistry
+from service.core.settings import Settings
+from service.observability import logs, metrics
+from service.observability.timing import RequestTiming
+
+logger = logging.getLogger(__name__)
+
+ID_KEY = "x-request-id"
+TIMING_KEY = "server-timing"
+RETRY_KEY = "retry-after"
+
+# The gRPC code of each status the REST routes answer.
+CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+@dataclass
+class Call:
+    """What a handler learns about its call for the access line and the metrics."""
+
+    metadata: dict[str, Any]
+    model: str = ""
+
+
+Handler = Callable[[Any, grpc.aio.ServicerContext, Call], Awaitable[Any]]
+
+
+class InferenceService:
+    """The handlers of `GRPCInferenceService`'s core methods over the app's models."""
+
+    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
+        self.registry = registry
+        self.settings = settings
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's methods for `grpc.aio.Server.add_generic_rpc_handlers`."""
+        handlers: dict[str, Handler] = {
+            "ServerLive": self.server_live, "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready, "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata, "ModelInfer": self.model_infer,
+        }
+        methods = {  # requests arrive as bytes: `_call` parses them (bad bytes: INVALID_ARGUMENT)
+            name: grpc.unary_unary_rpc_method_handler(
+                self._call(name, pb.message_class(request), handlers[name]),
+                response_serializer=pb.message_class(response).SerializeToString)
+            for name, (request, response) in pb.METHODS.items()
+        }
+        return grpc.method_handlers_generic_handler(pb.SERVICE, methods)
+
+    async def server_live(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
+        return pb.ServerReadyResponse(ready=self.registry.ready)
+
+    async def model_ready(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
+        try:
+            open_inference.known_model(self.registry, request.name, _version(request.version))
+            self.registry.resolve(None, request.name)
+        except ServiceError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    async def server_metadata(self, request: Any, context: grpc.aio.ServicerContext,
+                              call: Call) -> Any:
+        return pb.ServerMetadataResponse(name=open_inference.PLATFORM, version="0.1.0")
+
+    async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext,
+                             call: Call) -> Any:
+        if not self.settings.public_metadata:
+            check_api_key(call.metadata.get("authorization"), self.settings)
+        entry = open_inference.known_model(self.registry, request.name, _version(request.version))
+        metadata = open_inference.model_metadata(entry.name)
+        response = pb.ModelMetadataResponse(name=metadata.name, versions=metadata.versions,
+                                            platform=metadata.platform)
+        for tensors, given in ((response.inputs, metadata.inputs), (response.outputs, metadata.outputs)):
+            for tensor in given:
+                tensors.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+        return response
+
+    async def model_infer(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
+        check_api_key(call.metadata.get("authorization"), self.settings)
+        open_inference.known_model(self.registry, request.model_name, _version(request.model_version))
+        entry = self.registry.resolve(None, request.model_name)
+        call.model = entry.name
+        inference = open_inference.parse_document(*_document(request))
+        timing = RequestTiming(time.perf_counter())
+        budget_s = within_budget(context.time_remaining(), self.settings)
+        values = await open_inference.generate(entry, inference, self.settings, timing, budget_s)
+        context.set_trailing_metadata(((TIMING_KEY, timing.header(time.perf_counter())),))
+        response = pb.ModelInferResponse(model_name=entry.name,
+                                         model_version=open_inference.MODEL_VERSION,
+                                         id=inference.id or "")
+        for name in inference.outputs:
+            score = name == open_inference.SCORE
+            response.outputs.add(name=name, shape=inference.shape,
+                                 datatype=open_inference.FP32 if score else open_inference.BYTES)
+            response.raw_output_contents.append(
+                open_inference.serialize_floats(values[name]) if score
+                else open_inference.serialize_bytes(values[name]))
+        return response
+
+    def _call(self, method: str, message: Any, handle: Handler) -> Callable[..., Awaitable[Any]]:
+        """`handle` with the call's request parsed as a `message`, its id, access line,
+        metrics and errors (module docstring)."""
+        path = f"/{pb.SERVICE}/{method}"  # one of `pb.PATHS`
+
+        async def call_method(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            metadata = dict(context.invocation_metadata() or ())
+            given = metadata.get(ID_KEY)
+            identity = id_from(given.encode("ascii", "replace") if isinstance(given, str) else None)
+            token = logs.REQUEST_ID.set(identity)
+            call = Call(metadata)
+            status = 200
+            try:
+                await context.send_initial_metadata(((ID_KEY, identity),))
+                try:
+                    request = message.FromString(raw)
+                except DecodeError:
+                    raise InvalidInput(f"the request is not a {method}Request message") from None
+                return await handle(request, context, call)
+            except ServiceError as error:
+                status = status_of(error)
+                status = 400 if status == 422 else status  # as the REST routes of the protocol
+                trailer = ((RETRY_KEY, str(error.retry_after_s)),) if isinstance(error, Overloaded) else ()
+                await context.abort(CODES.get(status, grpc.StatusCode.INTERNAL), error.message, trailer)
+            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+                remaining = context.time_remaining()
+                status = 504 if remaining is not None and remaining <= 0 else CLIENT_GONE
+                if call.model:
+                    metrics.REJECTED_TOTAL.labels(
+                        call.model, "deadline" if status == 504 else "disconnected").inc()
+                raise
+            except Exception as error:
+                logger.error("unhandled error on %s", path, exc_info=error)
+                status = 500
+                await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            finally:
+                logs.REQUEST_ID.reset(token)
+                log_access({"method": "POST", "path": path, "client": _client(context.peer())},
+                           status, started, identity, call.model or None)
+                metrics.REQUESTS_TOTAL.labels(path, call.model, metrics.status_class(status)).inc()
+                metrics.REQUEST_DURATION_SECONDS.labels(path, call.model).observe(
+                    time.perf_counter() - started)
+
+        return call_method
+
+
+def _version(version: str) -> str:
+    """A requested model version: empty means the model's one."""
+    return version or open_inference.MODEL_VERSION
+
+
+def _document(request: Any) -> tuple[dict[str, Any], bytes]:
+    """An infer request's JSON form (`open_inference.parse_document`) and its input's raw bytes."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput(f"raw_input_contents: {len(raw)} given for {len(request.inputs)} "
+                           "inputs; one per input, or none")
+    inputs = []
+    for i, tensor in enumerate(request.inputs):
+        document: dict[str, Any] = {"name": tensor.name, "shape": list(tensor.shape),
+                                    "datatype": tensor.datatype,
+                                    "parameters": _parameters(tensor.parameters)}
+        if raw:
+            document["parameters"]["binary_data_size"] = len(raw[i])
+        if tensor.HasField("contents"):
+            document["data"] = _elements(tensor.contents, tensor.datatype, f"inputs[{i}]")
+        inputs.append(document)
+    outputs = [{"name": output.name, "parameters": _parameters(output.parameters)}
+               for output in request.outputs]
+    return ({"id": request.id or None, "parameters": _parameters(request.parameters),
+             "inputs": inputs, "outputs": outputs or None}, raw[0] if raw else b"")
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    """A `map<string, InferParameter>` as a dict of its values."""
+    values = {}
+    for name, parameter in parameters.items():
+        kind = parameter.WhichOneof("parameter_choice")
+        values[name] = getattr(parameter, kind) if kind is not None else None
+    return values
+
+
+def _elements(contents: Any, datatype: str, where: str) -> list[Any]:
+    """A tensor's `contents`: its BYTES elements as text, else the values of its one field."""
+    if datatype == open_inference.BYTES:
+        try:
+            return [element.decode("utf-8") for element in contents.bytes_contents]
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{where}: an element is not UTF-8 text") from None
+    return next((list(values) for _, values in contents.ListFields()), [])
+
+
+def _client(peer: str | None) -> tuple[str, int] | None:
+    """The (address, port) of a gRPC peer such as `ipv4:127.0.0.1:5000` or `ipv6:[::1]:5000`."""
+    if not peer or not peer.startswith(("ipv4:", "ipv6:")):
+        return None
+    host, _, port = peer.split(":", 1)[1].rpartition(":")
+    return (host.strip("[]"), int(port)) if port.isdigit() else None
+
+
+@dataclass
+class GrpcServer:
+    """A started gRPC server and the port it listens on."""
+
+    server: grpc.aio.Server
+    port: int
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new calls and give those in flight `grace_s` to finish."""
+        await self.server.stop(grace_s)
+
+
+async def start(registry: ModelRegistry, settings: Settings) -> GrpcServer:
+    """Serve `GRPCInferenceService` on `settings.host`:`settings.grpc_port` in this event loop.
+
+    Several `workers` share the port (SO_REUSEPORT, as their HTTP socket); a single process
+    refuses a port another server holds. Raises RuntimeError when the port cannot be bound.
+    """
+    assert settings.grpc_port is not None
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", settings.max_body_bytes),
+                 ("grpc.so_reuseport", int(settings.workers > 1))],
+        maximum_concurrent_rpcs=settings.max_connections,
+    )
+    server.add_generic_rpc_handlers((InferenceService(registry, settings).handler(),))
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    address = f"{host}:{settings.grpc_port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:  # older grpcio reports a failed bind this way, newer ones raise
+        message = f"gRPC: cannot listen on {address} (in use, or not an address of this machine)"
+        logger.error(message)
+        raise RuntimeError(message) from None
+    await server.start()
+    logger.info("serving KServe v2 over gRPC on %s:%d", settings.host, port)
+    return GrpcServer(server, port)
