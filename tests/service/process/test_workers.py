@@ -111,18 +111,18 @@ def socket_inodes(pid: int) -> set[int]:
 
 
 @contextlib.contextmanager
-def two_workers(models: Path, tmp_path: Path, command: list[str] | None = None,
+def two_workers(models: Path, tmp_path: Path, command: list[str] | None = None, flags: tuple[str, ...] = (),
                 ) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
-    """`serve --workers 2` on the CPU (`command`: the CLI to run, default `serve_command()`)
-    on a free port, ready: its process, port and log; terminated (killed if it hangs) on the way
-    out unless it has exited."""
+    """`serve --workers 2` on the CPU (`command`: the CLI to run, default `serve_command()`;
+    `flags`: more options of `serve`) on a free port, ready: its process, port and log;
+    terminated (killed if it hangs) on the way out unless it has exited."""
     from tests.service.test_serve import STARTUP_TIMEOUT_S, free_port, serve_command, wait_ready
 
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as output, subprocess.Popen(
         [*(command or serve_command()), "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port",
-         str(port), "--models", str(models), "--workers", "2"],
+         str(port), "--models", str(models), "--workers", "2", *flags],
         env={**os.environ, "ATTNSERVE_PROVIDERS": "CPUExecutionProvider", "ATTNSERVE_THREADS": "1"},
         stdout=output, stderr=subprocess.STDOUT,
     ) as process:
@@ -177,6 +177,38 @@ def test_each_worker_listens_on_its_own_socket_and_connections_spread(served_tin
         finally:
             for connection in connections:
                 connection.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT balances on Linux")
+def test_each_worker_serves_grpc_on_a_socket_of_its_own(served_tiny_models: Path, tmp_path: Path) -> None:
+    """With `--grpc-port` every worker listens on the gRPC port too, on a socket of its own
+    (SO_REUSEPORT, as for HTTP), and calls on separate connections are answered."""
+    grpc = pytest.importorskip("grpc")
+    from service.api import grpc_messages as pb
+    from service.api import open_inference
+    from tests.service.test_serve import free_port
+
+    grpc_port = free_port()
+    with two_workers(served_tiny_models, tmp_path, flags=("--grpc-port", str(grpc_port))) as (process, port, log):
+        listening_workers(process, port, log)  # both workers started
+        listening = tcp_sockets(grpc_port, "0A")
+        own = {pid: socket_inodes(pid) & listening for pid in worker_pids(process.pid)}
+        assert len(own) == 2 and all(len(inodes) == 1 for inodes in own.values()), own
+        assert len(set.union(*own.values())) == 2
+        request = pb.ModelInferRequest(model_name="tiny-reverse")
+        request.inputs.add(name="text", datatype="BYTES", shape=[1])
+        request.raw_input_contents.append(open_inference.serialize_bytes(["abc de"]))
+        answers = []
+        for _ in range(8):  # a connection each
+            with grpc.insecure_channel(f"127.0.0.1:{grpc_port}",
+                                       options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+                infer = channel.unary_unary(f"/{pb.SERVICE}/ModelInfer",
+                                            request_serializer=pb.ModelInferRequest.SerializeToString,
+                                            response_deserializer=pb.ModelInferResponse.FromString)
+                response = infer(request, timeout=30)
+                (output,) = open_inference.deserialize_bytes(response.raw_output_contents[0])
+                answers.append(output.decode().strip())
+    assert answers == ["ed cba"] * 8  # the tiny model reverses
 
 
 def test_where_the_kernel_does_not_spread_uvicorns_supervisor_serves_one_socket(served_tiny_models: Path,
