@@ -5,7 +5,9 @@ same process, on the same event loop, models and batchers.
 The service `inference.GRPCInferenceService` answers its core methods: `ServerLive`,
 `ServerReady`, `ModelReady` (false for an unknown model, as a probe expects), `ServerMetadata`,
 `ModelMetadata` and `ModelInfer`; Triton's own additions (streaming, model control, shared
-memory, statistics) answer UNIMPLEMENTED. The messages: `service.api.grpc_messages`.
+memory, statistics) answer UNIMPLEMENTED. gRPC's health checking protocol answers too
+(`grpc.health.v1.Health/Check`, for Kubernetes' gRPC probes and load balancers): SERVING while
+the server is ready. The messages: `service.api.grpc_messages`.
 
 `ModelInfer` is the REST infer route's work (`service.api.open_inference`): the BYTES input
 `text` from `raw_input_contents` (each element a 4-byte little-endian length, then its bytes,
@@ -46,7 +48,7 @@ from service.api.auth import check_api_key
 from service.api.deadline import within_budget
 from service.api.errors import status_of
 from service.api.request_id import CLIENT_GONE, id_from, log_access
-from service.core.errors import InvalidInput, Overloaded, ServiceError
+from service.core.errors import InvalidInput, ModelNotFound, Overloaded, ServiceError, shorten
 from service.core.registry import ModelRegistry
 from service.core.settings import Settings
 from service.observability import logs, metrics
@@ -99,11 +101,27 @@ class InferenceService:
         }
         methods = {  # requests arrive as bytes: `_call` parses them (bad bytes: INVALID_ARGUMENT)
             name: grpc.unary_unary_rpc_method_handler(
-                self._call(name, pb.message_class(request), handlers[name]),
+                self._call(f"/{pb.SERVICE}/{name}", pb.message_class(request), handlers[name]),
                 response_serializer=pb.message_class(response).SerializeToString)
             for name, (request, response) in pb.METHODS.items()
         }
         return grpc.method_handlers_generic_handler(pb.SERVICE, methods)
+
+    def health_handler(self) -> grpc.GenericRpcHandler:
+        """gRPC's health checking service (`grpc.health.v1.Health/Check`; `Watch` is not served)."""
+        check = grpc.unary_unary_rpc_method_handler(
+            self._call(pb.HEALTH_PATH, pb.HealthCheckRequest, self.health_check),
+            response_serializer=pb.HealthCheckResponse.SerializeToString)
+        return grpc.method_handlers_generic_handler(pb.HEALTH_SERVICE, {"Check": check})
+
+    async def health_check(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
+        """SERVING while the server is ready (`/health/ready`), NOT_SERVING while it loads or
+        drains, for the server ("") and for `inference.GRPCInferenceService`; NOT_FOUND for
+        another service, as the protocol asks."""
+        if request.service not in ("", pb.SERVICE):
+            raise ModelNotFound(f"no service {shorten(repr(request.service))} on this server")
+        status = "SERVING" if self.registry.ready else "NOT_SERVING"
+        return pb.HealthCheckResponse(status=pb.SERVING_STATUSES.index(status))
 
     async def server_live(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
         return pb.ServerLiveResponse(live=True)
@@ -158,10 +176,9 @@ class InferenceService:
                 else open_inference.serialize_bytes(values[name]))
         return response
 
-    def _call(self, method: str, message: Any, handle: Handler) -> Callable[..., Awaitable[Any]]:
-        """`handle` with the call's request parsed as a `message`, its id, access line,
-        metrics and errors (module docstring)."""
-        path = f"/{pb.SERVICE}/{method}"  # one of `pb.PATHS`
+    def _call(self, path: str, message: Any, handle: Handler) -> Callable[..., Awaitable[Any]]:
+        """`handle` of the method at `path` (one of `pb.PATHS`) with the call's request parsed as
+        a `message`, its id, access line, metrics and errors (module docstring)."""
 
         async def call_method(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
@@ -176,7 +193,7 @@ class InferenceService:
                 try:
                     request = message.FromString(raw)
                 except DecodeError:
-                    raise InvalidInput(f"the request is not a {method}Request message") from None
+                    raise InvalidInput(f"the request is not a {message.DESCRIPTOR.name} message") from None
                 return await handle(request, context, call)
             except ServiceError as error:
                 status = status_of(error)
@@ -283,7 +300,8 @@ async def start(registry: ModelRegistry, settings: Settings) -> GrpcServer:
                  ("grpc.so_reuseport", int(settings.workers > 1))],
         maximum_concurrent_rpcs=settings.max_connections,
     )
-    server.add_generic_rpc_handlers((InferenceService(registry, settings).handler(),))
+    service = InferenceService(registry, settings)
+    server.add_generic_rpc_handlers((service.handler(), service.health_handler()))
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     address = f"{host}:{settings.grpc_port}"
     try:

@@ -5,7 +5,8 @@ Names and field numbers are the protocol's (`grpc_predict_v2.proto`, which Trito
 `grpc_service.proto` extends), so a stock client (`tritonclient[grpc]`) and this server read
 each other's bytes; the messages live in a pool of their own, beside any generated copy a
 client library registers in protobuf's default pool. Only the core methods' messages are here
-(`METHODS`): health, metadata and `ModelInfer`.
+(`METHODS`): health, metadata and `ModelInfer`; and gRPC's own health checking protocol
+(`grpc.health.v1.Health/Check`).
 """
 
 from __future__ import annotations
@@ -98,8 +99,6 @@ METHODS: dict[str, tuple[str, str]] = {
 }
 
 
-# Each method's path: the `route` label of its calls in the metrics.
-PATHS = tuple(f"/{SERVICE}/{name}" for name in METHODS)
 
 
 def _message(name: str, fields: list[Field], nested: dict[str, Any],
@@ -143,8 +142,36 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
     return proto
 
 
+HEALTH_SERVICE = "grpc.health.v1.Health"
+SERVING_STATUSES = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
+
+
+def _health_file() -> descriptor_pb2.FileDescriptorProto:
+    """gRPC's health checking protocol (`grpc.health.v1`), its `Check` method: what Kubernetes'
+    gRPC probes, grpc_health_probe and load balancers call."""
+    package = HEALTH_SERVICE.rsplit(".", 1)[0]
+    proto = descriptor_pb2.FileDescriptorProto(name="attnserve/health.proto", package=package,
+                                               syntax="proto3")
+    request = proto.message_type.add(name="HealthCheckRequest")
+    request.field.append(_FIELD(name="service", number=1, type=_STRING, label=_FIELD.LABEL_OPTIONAL))
+    response = proto.message_type.add(name="HealthCheckResponse")
+    status = response.enum_type.add(name="ServingStatus")
+    for number, name in enumerate(SERVING_STATUSES):
+        status.value.add(name=name, number=number)
+    response.field.append(_FIELD(name="status", number=1, type=_FIELD.TYPE_ENUM, label=_FIELD.LABEL_OPTIONAL,
+                                 type_name=f".{package}.HealthCheckResponse.ServingStatus"))
+    proto.service.add(name="Health").method.add(
+        name="Check", input_type=f".{package}.HealthCheckRequest",
+        output_type=f".{package}.HealthCheckResponse")
+    return proto
+
+
 POOL = descriptor_pool.DescriptorPool()
 FILE = POOL.AddSerializedFile(_file().SerializeToString())
+HEALTH_FILE = POOL.AddSerializedFile(_health_file().SerializeToString())
+HEALTH_PATH = f"/{HEALTH_SERVICE}/Check"
+# Each method's path: the `route` label of its calls in the metrics.
+PATHS = (*(f"/{SERVICE}/{name}" for name in METHODS), HEALTH_PATH)
 
 
 def message_class(name: str) -> Any:
@@ -165,3 +192,7 @@ ModelMetadataResponse = message_class("ModelMetadataResponse")
 ModelInferRequest = message_class("ModelInferRequest")
 ModelInferResponse = message_class("ModelInferResponse")
 InferParameter = message_class("InferParameter")
+HealthCheckRequest = message_factory.GetMessageClass(
+    POOL.FindMessageTypeByName(f"{HEALTH_SERVICE.rsplit('.', 1)[0]}.HealthCheckRequest"))
+HealthCheckResponse = message_factory.GetMessageClass(
+    POOL.FindMessageTypeByName(f"{HEALTH_SERVICE.rsplit('.', 1)[0]}.HealthCheckResponse"))

@@ -328,6 +328,36 @@ async def test_not_ready_then_ready(make_app: AppFactory) -> None:
 
 
 @pytest.mark.anyio
+async def test_grpc_health_checks_follow_readiness(make_app: AppFactory) -> None:
+    """gRPC's health checking protocol, spoken here in its wire format (the request's field 1:
+    the service's name; the response's field 1: its status, 1 SERVING, 2 NOT_SERVING), as
+    Kubernetes' gRPC probes send it: NOT_SERVING while loading and draining."""
+    from tests.service.fakes import FakeLoader
+
+    def service(name: bytes) -> bytes:
+        return b"\x0a" + bytes([len(name)]) + name
+
+    loader = FakeLoader()
+    loader.release.clear()  # models stay loading
+    app = make_app(loader=loader, grpc_port=0)
+    async with serving(app, wait_ready=False), \
+            grpc.aio.insecure_channel(f"127.0.0.1:{app.state.grpc_port}") as chan:
+        check = chan.unary_unary("/grpc.health.v1.Health/Check", request_serializer=lambda raw: raw,
+                                 response_deserializer=lambda raw: raw)
+        loading = await check(b"")  # the server as a whole: the empty name
+        loader.release.set()
+        while await check(b"") != b"\x08\x01":
+            await asyncio.sleep(0.01)
+        named = await check(service(b"inference.GRPCInferenceService"))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await check(service(b"other.Service"))
+        app.state.registry.begin_draining()
+        draining = await check(b"")
+    assert loading == b"\x08\x02" and named == b"\x08\x01" and draining == b"\x08\x02"
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.anyio
 async def test_a_full_queue_is_resource_exhausted_with_retry_after(
     make_app: AppFactory, fake_model: FakeModel
 ) -> None:
