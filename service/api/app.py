@@ -112,7 +112,7 @@ def create_app(
         if settings.grpc_port is not None:
             from service.api import grpc_inference  # the grpc extra
 
-            grpc_server = await grpc_inference.start(registry, settings)
+            grpc_server = await grpc_inference.start(registry, settings, tracer_provider)
             app.state.grpc_port = grpc_server.port
         try:
             yield {SHED_STATE: shedder}  # the server's protocol sheds with it (service.api.shed)

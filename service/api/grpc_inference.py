@@ -20,7 +20,9 @@ Every call, as every HTTP request: its id from the `x-request-id` metadata (else
 the initial metadata of the answer and on the records logged meanwhile, one access line, and
 `requests_total` / `request_duration_seconds` with the method's path (`/inference.
 GRPCInferenceService/ModelInfer`) as the route and the status the REST route would answer
-(400 for bad input). A successful infer's stages go in the trailing metadata `server-timing`.
+(400 for bad input). A successful infer's stages go in the trailing metadata `server-timing`; with tracing on
+(`otlp_endpoint`) each call has a server span and an infer its stages' spans
+(`service.observability.tracing.CallTracer`).
 With `api_key`, `ModelInfer` (and `ModelMetadata`, unless `public_metadata`) need the metadata
 `authorization: Bearer <key>`. Errors carry the service's message and the gRPC code of its
 kind (`CODES`): bad input INVALID_ARGUMENT, unknown model NOT_FOUND, a full queue
@@ -53,6 +55,7 @@ from service.core.registry import ModelRegistry
 from service.core.settings import Settings
 from service.observability import logs, metrics
 from service.observability.timing import RequestTiming
+from service.observability.tracing import CallTracer
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +79,11 @@ CODES: dict[int, grpc.StatusCode] = {
 
 @dataclass
 class Call:
-    """What a handler learns about its call for the access line and the metrics."""
+    """What a handler learns about its call for the access line, the metrics and the trace."""
 
     metadata: dict[str, Any]
     model: str = ""
+    timing: RequestTiming | None = None  # an infer's stages
 
 
 Handler = Callable[[Any, grpc.aio.ServicerContext, Call], Awaitable[Any]]
@@ -88,9 +92,11 @@ Handler = Callable[[Any, grpc.aio.ServicerContext, Call], Awaitable[Any]]
 class InferenceService:
     """The handlers of `GRPCInferenceService`'s core methods over the app's models."""
 
-    def __init__(self, registry: ModelRegistry, settings: Settings) -> None:
+    def __init__(self, registry: ModelRegistry, settings: Settings,
+                 tracer: CallTracer | None = None) -> None:
         self.registry = registry
         self.settings = settings
+        self.tracer = tracer
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods for `grpc.aio.Server.add_generic_rpc_handlers`."""
@@ -160,7 +166,7 @@ class InferenceService:
         entry = self.registry.resolve(None, request.model_name)
         call.model = entry.name
         inference = open_inference.parse_document(*_document(request))
-        timing = RequestTiming(time.perf_counter())
+        timing = call.timing = RequestTiming(time.perf_counter())
         budget_s = within_budget(context.time_remaining(), self.settings)
         values = await open_inference.generate(entry, inference, self.settings, timing, budget_s)
         context.set_trailing_metadata(((TIMING_KEY, timing.header(time.perf_counter())),))
@@ -188,6 +194,7 @@ class InferenceService:
             token = logs.REQUEST_ID.set(identity)
             call = Call(metadata)
             status = 200
+            span = self.tracer.start(path, metadata) if self.tracer is not None else None
             try:
                 await context.send_initial_metadata(((ID_KEY, identity),))
                 try:
@@ -213,6 +220,9 @@ class InferenceService:
                 await context.abort(grpc.StatusCode.INTERNAL, "internal error")
             finally:
                 logs.REQUEST_ID.reset(token)
+                if span is not None and self.tracer is not None:
+                    code = grpc.StatusCode.OK if status == 200 else CODES.get(status, grpc.StatusCode.INTERNAL)
+                    self.tracer.end(span, code, identity, call.model, call.timing)
                 log_access({"method": "POST", "path": path, "client": _client(context.peer())},
                            status, started, identity, call.model or None)
                 metrics.REQUESTS_TOTAL.labels(path, call.model, metrics.status_class(status)).inc()
@@ -288,8 +298,10 @@ class GrpcServer:
         await self.server.stop(grace_s)
 
 
-async def start(registry: ModelRegistry, settings: Settings) -> GrpcServer:
-    """Serve `GRPCInferenceService` on `settings.host`:`settings.grpc_port` in this event loop.
+async def start(registry: ModelRegistry, settings: Settings,
+                tracer_provider: Any | None = None) -> GrpcServer:
+    """Serve `GRPCInferenceService` on `settings.host`:`settings.grpc_port` in this event loop;
+    with `tracer_provider` (OpenTelemetry's, `service.observability.tracing`) each call is traced.
 
     Several `workers` share the port (SO_REUSEPORT, as their HTTP socket); a single process
     refuses a port another server holds. Raises RuntimeError when the port cannot be bound.
@@ -300,7 +312,8 @@ async def start(registry: ModelRegistry, settings: Settings) -> GrpcServer:
                  ("grpc.so_reuseport", int(settings.workers > 1))],
         maximum_concurrent_rpcs=settings.max_connections,
     )
-    service = InferenceService(registry, settings)
+    tracer = CallTracer(tracer_provider) if tracer_provider is not None else None
+    service = InferenceService(registry, settings, tracer)
     server.add_generic_rpc_handlers((service.handler(), service.health_handler()))
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     address = f"{host}:{settings.grpc_port}"

@@ -24,6 +24,7 @@ from fastapi.telemetry import TelemetryConfig
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.core.settings import Settings
+from service.observability.timing import RequestTiming
 
 EXTRA_HINT = "pip install 'attnserve[otel]'"
 
@@ -91,9 +92,60 @@ class TracingMiddleware:
         finally:
             timing = scope.get("state", {}).get("timing")
             if timing is not None:
-                parent = self.trace.set_span_in_context(span)
-                for name, start, end in timing.intervals():
-                    stage = self.tracer.start_span(name, context=parent, start_time=int(start * 1e9) + offset_ns)
-                    if name == "inference":
-                        stage.set_attribute("attnserve.join_ms", round(timing.join_s * 1000, 3))
-                    stage.end(end_time=int(end * 1e9) + offset_ns)
+                stage_spans(self.tracer, span, timing, offset_ns)
+
+
+def stage_spans(tracer: Any, parent: Any, timing: RequestTiming, offset_ns: int) -> None:
+    """A child span of `parent` for each stage of `timing` with a place in time (`prepare`,
+    `queue`, `inference` with `attnserve.join_ms`); `offset_ns` turns `perf_counter` into the
+    epoch."""
+    from opentelemetry import trace
+
+    context = trace.set_span_in_context(parent)
+    for name, start, end in timing.intervals():
+        stage = tracer.start_span(name, context=context, start_time=int(start * 1e9) + offset_ns)
+        if name == "inference":
+            stage.set_attribute("attnserve.join_ms", round(timing.join_s * 1000, 3))
+        stage.end(end_time=int(end * 1e9) + offset_ns)
+
+
+# gRPC codes a server span marks as errors (OpenTelemetry's RPC conventions).
+GRPC_SERVER_ERRORS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL",
+                                "UNAVAILABLE", "DATA_LOSS"})
+
+
+class CallTracer:
+    """A server span per gRPC call (`service.api.grpc_inference`), as FastAPI makes one per HTTP
+    request: named `<service>/<method>`, continuing the caller's W3C `traceparent` (from the
+    call's metadata), with OpenTelemetry's RPC attributes (`rpc.system` "grpc", `rpc.service`,
+    `rpc.method`, `rpc.grpc.status_code`; an error for a server fault), our request id and
+    model, and the stages' child spans."""
+
+    def __init__(self, provider: Any) -> None:
+        self.tracer = provider.get_tracer("attnserve")
+
+    def start(self, path: str, metadata: dict[str, Any]) -> Any:
+        """The span of the call to `path` (`/<service>/<method>`), started now."""
+        from opentelemetry import propagate
+        from opentelemetry.trace import SpanKind
+
+        service, _, method = path.strip("/").partition("/")
+        carrier = {key: value for key, value in metadata.items() if isinstance(value, str)}
+        return self.tracer.start_span(
+            path.strip("/"), context=propagate.extract(carrier), kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method})
+
+    def end(self, span: Any, code: Any, request_id: str, model: str,
+            timing: RequestTiming | None) -> None:
+        """End `span` with the call's gRPC `code` (a `grpc.StatusCode`), id, model and stages."""
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        span.set_attribute("attnserve.request_id", request_id)
+        if model:
+            span.set_attribute("attnserve.model", model)
+        if code.name in GRPC_SERVER_ERRORS:
+            span.set_status(Status(StatusCode.ERROR, code.name))
+        if timing is not None:
+            stage_spans(self.tracer, span, timing, time.time_ns() - time.perf_counter_ns())
+        span.end()

@@ -23,7 +23,7 @@ from service.api.routes import models as models_route
 from service.core.settings import Settings
 from service.observability import tracing
 from tests.service.conftest import AppFactory, serving
-from tests.service.fakes import FakeLoader, FakeModel
+from tests.service.fakes import FAIL_CHAR, FakeLoader, FakeModel
 
 pytestmark = pytest.mark.anyio
 
@@ -98,6 +98,63 @@ async def test_a_request_without_a_traceparent_starts_a_trace_and_only_a_5xx_is_
     assert [span.attributes["http.response.status_code"] for span in spans] == [422, 404, 500]
     assert [span.status.status_code == StatusCode.ERROR for span in spans] == [False, False, True]
     assert spans[2].attributes["error.type"] == "RuntimeError"
+
+
+async def test_a_grpc_call_continues_the_callers_trace_with_its_stages(
+        models_dir: Path, fake_model: FakeModel, exported: tuple[TracerProvider, InMemorySpanExporter]) -> None:
+    """A gRPC call's server span (RPC conventions) and stages, as an HTTP request's; a client's
+    mistake is no error of the span, a server's fault is."""
+    grpc = pytest.importorskip("grpc")
+    from service.api import grpc_messages as pb
+    from service.api import open_inference
+
+    provider, exporter = exported
+    app = create_app(Settings(models_dir=models_dir, batch_workers=1, grpc_port=0), loader=FakeLoader(),
+                     generator=lambda runtime: fake_model.generate, tracer_provider=provider)
+    request = pb.ModelInferRequest(model_name="translate-en-it")
+    request.inputs.add(name="text", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(open_inference.serialize_bytes(["abc"]))
+    async with serving(app), grpc.aio.insecure_channel(f"127.0.0.1:{app.state.grpc_port}") as channel:
+        infer = channel.unary_unary(f"/{pb.SERVICE}/ModelInfer",
+                                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                                    response_deserializer=pb.ModelInferResponse.FromString)
+        exporter.clear()
+        await infer(request, metadata=(("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),
+                                       ("x-request-id", "traced-2")))
+        unknown = pb.ModelInferRequest(model_name="nope")
+        with pytest.raises(grpc.aio.AioRpcError):
+            await infer(unknown)
+        failing = pb.ModelInferRequest()
+        failing.CopyFrom(request)
+        failing.raw_input_contents[0] = open_inference.serialize_bytes([f"ab{FAIL_CHAR}"])  # its batch raises
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await infer(failing)
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        app.state.registry.begin_draining()  # the models still serve; readiness does not
+        ready = channel.unary_unary(f"/{pb.SERVICE}/ServerReady",
+                                    request_serializer=pb.ServerReadyRequest.SerializeToString,
+                                    response_deserializer=pb.ServerReadyResponse.FromString)
+        assert not (await ready(pb.ServerReadyRequest())).ready
+    spans = exporter.get_finished_spans()
+    calls = [span for span in spans if span.kind == SpanKind.SERVER]
+    assert [span.name for span in calls] == [f"{pb.SERVICE}/{m}"
+                                             for m in ("ModelInfer", "ModelInfer", "ModelInfer", "ServerReady")]
+    server = calls[0]
+    assert format(server.context.trace_id, "032x") == TRACE_ID
+    assert format(server.parent.span_id, "016x") == PARENT_ID
+    assert server.attributes["rpc.system"] == "grpc" and server.attributes["rpc.method"] == "ModelInfer"
+    assert server.attributes["rpc.service"] == pb.SERVICE and server.attributes["rpc.grpc.status_code"] == 0
+    assert server.attributes["attnserve.request_id"] == "traced-2"
+    assert server.attributes["attnserve.model"] == "translate-en-it"
+    stages = {span.name: span for span in spans if span.parent is not None
+              and span.parent.span_id == server.context.span_id}
+    assert set(stages) == {"prepare", "queue", "inference"}
+    for stage in stages.values():
+        assert server.start_time <= stage.start_time <= stage.end_time <= server.end_time
+    assert calls[1].attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert calls[1].parent is None and calls[1].status.status_code != StatusCode.ERROR
+    assert calls[2].attributes["rpc.grpc.status_code"] == grpc.StatusCode.INTERNAL.value[0]
+    assert calls[2].status.status_code == StatusCode.ERROR  # a server's fault is
 
 
 async def test_without_an_endpoint_nothing_is_traced(make_app: AppFactory) -> None:
