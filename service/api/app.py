@@ -45,7 +45,17 @@ from service.api.deadline import HEADER as TIMEOUT_HEADER
 from service.api.errors import error_response, install_error_handlers
 from service.api.request_id import CLIENT_GONE, id_header, log_access, request_id
 from service.api.request_id import HEADER as REQUEST_ID_HEADER
-from service.api.routes import attention, docs, generate, health, kserve, models, page, prometheus
+from service.api.routes import (
+    attention,
+    docs,
+    generate,
+    health,
+    kserve,
+    libretranslate,
+    models,
+    page,
+    prometheus,
+)
 from service.api.routes.deps import Serving
 from service.api.shed import SHED_STATE, Shedder, ShedMiddleware
 from service.core.registry import (
@@ -156,7 +166,7 @@ def create_app(
     # the inference routes check the bearer token and (but KServe v2's, JSON or binary) the
     # body's type in their one dependency (`service.api.routes.deps`)
     for router in (generate.router, attention.router, models.router, health.router, kserve.router,
-                   page.router, docs.router):
+                   libretranslate.router, page.router, docs.router):
         app.include_router(router)
     if settings.metrics_port is None:
         app.include_router(prometheus.router)

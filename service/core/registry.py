@@ -105,6 +105,7 @@ class ModelEntry:
     runtime: Runtime | None = None
     batcher: BatcherPool | None = None
     error: str | None = None
+    languages: tuple[str, str] | None = None  # (source, target), from the manifest, while loading too
 
 
 class ModelRegistry:
@@ -146,10 +147,10 @@ class ModelRegistry:
 
     def start(self) -> None:
         """Discover the model folders and load them in a background thread."""
-        self._entries = {
-            path.name: ModelEntry(path.name, path, task=_manifest_task(path))
-            for path in self._discover()
-        }
+        self._entries = {}
+        for path in self._discover():
+            task, languages = _manifest_head(path)
+            self._entries[path.name] = ModelEntry(path.name, path, task=task, languages=languages)
         if not self._entries:
             logger.error("no models found in %s: the server will not turn ready",
                          self.settings.models_dir)
@@ -311,10 +312,13 @@ def public_error(message: str, model_path: Path) -> str:
     return _ABSOLUTE_PATH.sub(lambda m: ".../" + re.split(r"[/\\]", m.group())[-1], message)
 
 
-def _manifest_task(path: Path) -> str | None:
-    """The `task` of a model folder's manifest, or None when it cannot be read (yet)."""
+def _manifest_head(path: Path) -> tuple[str | None, tuple[str, str] | None]:
+    """The `task` of a model folder's manifest and its (source, target) languages, each None
+    when it cannot be read (yet)."""
     try:
-        task = json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("task")
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        task, source, target = (manifest.get(key) for key in ("task", "source_language", "target_language"))
     except (OSError, ValueError, AttributeError):
-        return None
-    return task if isinstance(task, str) else None
+        return None, None
+    languages = (source, target) if isinstance(source, str) and isinstance(target, str) else None
+    return (task if isinstance(task, str) else None), languages

@@ -59,7 +59,7 @@ async def translate(
     body: GenerateRequest, request: Request, response: Response, serving: JsonInferenceDep
 ) -> Any:
     """Translate one text or a list of texts with a translation model."""
-    return await _generate("translate", body, request, response, serving.registry, serving.settings)
+    return await generate_texts("translate", body, request, response, serving.registry, serving.settings)
 
 
 @router.post("/v1/summarize", response_model=GenerateResponse, responses=GENERATE_RESPONSES,
@@ -68,10 +68,10 @@ async def summarize(
     body: GenerateRequest, request: Request, response: Response, serving: JsonInferenceDep
 ) -> Any:
     """Summarize one text or a list of texts with a summarization model."""
-    return await _generate("summarize", body, request, response, serving.registry, serving.settings)
+    return await generate_texts("summarize", body, request, response, serving.registry, serving.settings)
 
 
-async def _generate(
+async def generate_texts(
     task: str,
     body: GenerateRequest,
     request: Request,
@@ -79,6 +79,9 @@ async def _generate(
     registry: ModelRegistry,
     settings: Settings,
 ) -> GenerateResponse | Response:
+    """One request of `task` (`body` validated): its answer, or its event stream with `stream`;
+    the stage times go on `response`'s `Server-Timing` header. Also LibreTranslate's
+    `/translate` (`service.api.routes.libretranslate`)."""
     started = time.perf_counter()
     timing = RequestTiming(started)
     request.state.timing = timing  # for the request's trace (service.observability.tracing)
