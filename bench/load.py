@@ -180,10 +180,10 @@ def client(connections: int, timeout_s: float = REQUEST_TIMEOUT_S,
 
 async def request(session: aiohttp.ClientSession, url: str, body: Any, t0: float, *,
                   method: str = "POST", headers: dict[str, str] | None = None,
-                  since: float | None = None) -> Sample:
+                  since: float | None = None, outputs: bool = True) -> Sample:
     """Send one request and read its whole answer; its latency counts from `since` (default:
     when it was sent), its send time from `t0`. A 2xx answer to a POST must carry `outputs`,
-    whose `output_tokens` are counted."""
+    whose `output_tokens` are counted (unless `outputs` is False: another API's answer)."""
     sent = time.perf_counter()
     error, tokens, timing = "", 0, ""
     try:
@@ -196,7 +196,7 @@ async def request(session: aiohttp.ClientSession, url: str, body: Any, t0: float
     else:
         if status >= 400:
             error = f"HTTP {status}: {data[:300].decode('utf-8', 'replace')}"
-        elif method == "POST":
+        elif method == "POST" and outputs:
             try:
                 tokens = sum(int(o.get("output_tokens", 0)) for o in json.loads(data)["outputs"])
             except (KeyError, ValueError, TypeError, AttributeError) as exc:
@@ -285,11 +285,11 @@ async def open_loop(
 async def closed_loop(
     url: str, bodies: Sequence[Any], concurrency: int, duration_s: float | None = None, *,
     cycle: bool = False, headers: dict[str, str] | None = None,
-    timeout_s: float = REQUEST_TIMEOUT_S, keepalive: bool = True,
+    timeout_s: float = REQUEST_TIMEOUT_S, keepalive: bool = True, outputs: bool = True,
 ) -> LoadResult:
     """`concurrency` clients each send the next body as soon as their last answer came back:
     every body once, unless `duration_s` runs out first (then no new request starts); with
-    `cycle`, the bodies over and over until `duration_s`."""
+    `cycle`, the bodies over and over until `duration_s`; `outputs` as `request`'s."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     if cycle and duration_s is None:
@@ -304,7 +304,7 @@ async def closed_loop(
         while (cycle or next_index < len(bodies)) and (deadline is None or time.perf_counter() < deadline):
             body = bodies[next_index % len(bodies)]
             next_index += 1
-            result.samples.append(await request(session, url, body, t0, headers=headers))
+            result.samples.append(await request(session, url, body, t0, headers=headers, outputs=outputs))
 
     async with client(concurrency, timeout_s, keepalive) as session:
         await asyncio.gather(*(user(session) for _ in range(concurrency)))
