@@ -1,4 +1,6 @@
-"""The KServe v2 / Open Inference Protocol: its schemas and the conversion to and from texts.
+"""The KServe v2 / Open Inference Protocol: its schemas, the conversion to and from texts, and
+the inference itself (`generate`), the same over REST (`service.api.routes.kserve`) and gRPC
+(`service.api.grpc_inference`).
 
 A model takes one BYTES input tensor `text` (any shape, usually `[N]`; one text per element)
 and gives two BYTES output tensors of the same shape: `output` (the generated texts) and
