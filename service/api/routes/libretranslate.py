@@ -19,7 +19,8 @@ input with LibreTranslate's status, 400. Unknown fields are ignored, as LibreTra
 
 `GET /languages` lists every language a model translates from or into (LibreTranslate's
 `code`, `name`, `targets`), from the manifests, while the models load too; like the other
-descriptions of the API it needs the key unless `public_metadata`.
+descriptions of the API it needs the key unless `public_metadata` (here also as `api_key` in
+the query or a form body, as LibreTranslate's clients send it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from starlette.exceptions import HTTPException
 
-from service.api.auth import check_api_key, require_api_key_for_metadata
+from service.api.auth import check_api_key
 from service.api.errors import describe_validation_errors, error_response, status_of
 from service.api.routes.deps import RegistryDep
 from service.api.routes.generate import generate_texts
@@ -108,8 +109,25 @@ class TranslateAnswer(BaseModel):
     alternatives: list[str] | list[list[str]] | None = None
 
 
+async def languages_key(request: Request) -> None:
+    """`GET /languages`' key, unless `public_metadata` (as the API's other descriptions): the
+    bearer header, or LibreTranslate's `api_key` as its clients send it here (the query, or a
+    form body)."""
+    settings: Settings = request.app.state.settings
+    if settings.public_metadata or settings.api_key is None:
+        return
+    authorization = request.headers.get("authorization")
+    if authorization is None:
+        key = request.query_params.get("api_key")
+        media_type = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+        if key is None and media_type == FORM:
+            key = (await _fields(request)).get("api_key")
+        authorization = f"Bearer {key}" if key is not None else None
+    check_api_key(authorization, settings)
+
+
 @router.get("/languages", response_model=list[Language], responses={401: {"model": ErrorBody}},
-            dependencies=[Depends(require_api_key_for_metadata)])
+            dependencies=[Depends(languages_key)])
 async def languages(registry: RegistryDep) -> list[Language]:
     """Every language a translation model translates from or into, with those it translates into."""
     pairs = _pairs(registry)

@@ -151,3 +151,20 @@ async def test_the_api_key_in_the_body_or_the_header(languages_app: Any) -> None
     assert missing.status_code == wrong.status_code == listed.status_code == 401
     assert in_body.status_code == in_form.status_code == in_header.status_code == 200
     assert in_body.json() == {"translatedText": "cba"}
+
+
+def test_the_stock_client_sends_its_key_for_the_languages_too(languages_app: Any) -> None:
+    """libretranslatepy sends `api_key` as a form body, also on `GET /languages`."""
+    libretranslatepy = pytest.importorskip("libretranslatepy")
+    import urllib.error
+
+    with serve(languages_app(api_key="s3cret")) as url:
+        wait_until_ready(url)
+        keyed = libretranslatepy.LibreTranslateAPI(url + "/", api_key="s3cret")
+        assert [language["code"] for language in keyed.languages()] == ["en", "it"]
+        assert keyed.translate("abc", source="en", target="it") == "cba"
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            libretranslatepy.LibreTranslateAPI(url + "/", api_key="nope").languages()
+        assert caught.value.code == 401
+        queried = httpx.get(f"{url}/languages", params={"api_key": "s3cret"}, timeout=10, trust_env=False)
+        assert queried.status_code == 200
