@@ -69,6 +69,13 @@ def status_of(error: ServiceError) -> int:
     return 500
 
 
+def protocol_status(error: ServiceError) -> int:
+    """The status of a service error on the routes of a protocol that answers bad input with a
+    400 (KServe v2, LibreTranslate; gRPC's codes follow it): `status_of`, 400 for 422."""
+    status = status_of(error)
+    return 400 if status == 422 else status
+
+
 def error_response(
     status_code: int, message: str, error_type: str, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:

@@ -48,7 +48,7 @@ from service.api import grpc_messages as pb
 from service.api import open_inference
 from service.api.auth import check_api_key
 from service.api.deadline import within_budget
-from service.api.errors import status_of
+from service.api.errors import protocol_status
 from service.api.request_id import CLIENT_GONE, id_from, log_access
 from service.core.errors import InvalidInput, ModelNotFound, Overloaded, ServiceError, shorten
 from service.core.registry import ModelRegistry
@@ -203,8 +203,7 @@ class InferenceService:
                     raise InvalidInput(f"the request is not a {message.DESCRIPTOR.name} message") from None
                 return await handle(request, context, call)
             except ServiceError as error:
-                status = status_of(error)
-                status = 400 if status == 422 else status  # as the REST routes of the protocol
+                status = protocol_status(error)  # as the REST routes of the protocol
                 trailer = ((RETRY_KEY, str(error.retry_after_s)),) if isinstance(error, Overloaded) else ()
                 await context.abort(CODES.get(status, grpc.StatusCode.INTERNAL), error.message, trailer)
             except asyncio.CancelledError:  # the client cancelled, or its deadline passed

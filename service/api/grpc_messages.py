@@ -142,14 +142,15 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
     return proto
 
 
-HEALTH_SERVICE = "grpc.health.v1.Health"
+HEALTH_PACKAGE = "grpc.health.v1"
+HEALTH_SERVICE = f"{HEALTH_PACKAGE}.Health"
 SERVING_STATUSES = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
 
 
 def _health_file() -> descriptor_pb2.FileDescriptorProto:
     """gRPC's health checking protocol (`grpc.health.v1`), its `Check` method: what Kubernetes'
     gRPC probes, grpc_health_probe and load balancers call."""
-    package = HEALTH_SERVICE.rsplit(".", 1)[0]
+    package = HEALTH_PACKAGE
     proto = descriptor_pb2.FileDescriptorProto(name="attnserve/health.proto", package=package,
                                                syntax="proto3")
     request = proto.message_type.add(name="HealthCheckRequest")
@@ -174,9 +175,9 @@ HEALTH_PATH = f"/{HEALTH_SERVICE}/Check"
 PATHS = (*(f"/{SERVICE}/{name}" for name in METHODS), HEALTH_PATH)
 
 
-def message_class(name: str) -> Any:
-    """The class of the message `name` (in the package, e.g. "ModelInferRequest")."""
-    return message_factory.GetMessageClass(POOL.FindMessageTypeByName(f"{PACKAGE}.{name}"))
+def message_class(name: str, package: str = PACKAGE) -> Any:
+    """The class of the message `name` of `package` (e.g. "ModelInferRequest")."""
+    return message_factory.GetMessageClass(POOL.FindMessageTypeByName(f"{package}.{name}"))
 
 
 ServerLiveRequest = message_class("ServerLiveRequest")
@@ -192,7 +193,5 @@ ModelMetadataResponse = message_class("ModelMetadataResponse")
 ModelInferRequest = message_class("ModelInferRequest")
 ModelInferResponse = message_class("ModelInferResponse")
 InferParameter = message_class("InferParameter")
-HealthCheckRequest = message_factory.GetMessageClass(
-    POOL.FindMessageTypeByName(f"{HEALTH_SERVICE.rsplit('.', 1)[0]}.HealthCheckRequest"))
-HealthCheckResponse = message_factory.GetMessageClass(
-    POOL.FindMessageTypeByName(f"{HEALTH_SERVICE.rsplit('.', 1)[0]}.HealthCheckResponse"))
+HealthCheckRequest = message_class("HealthCheckRequest", HEALTH_PACKAGE)
+HealthCheckResponse = message_class("HealthCheckResponse", HEALTH_PACKAGE)

@@ -29,7 +29,6 @@ holding control characters or lone surrogates, as `/v1` refuses them
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import struct
 from collections.abc import Iterator, Sequence
@@ -52,6 +51,7 @@ from service.api import pipeline
 from service.api.deadline import Deadline
 from service.api.decode_options import decode_options, whole_texts
 from service.api.errors import describe_validation_errors
+from service.api.media_type import load_json
 from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, PrefixText, clean_text
 from service.core.errors import InvalidInput, ModelNotFound, shorten
 from service.core.registry import ModelEntry, ModelRegistry
@@ -215,13 +215,7 @@ class Inference:
 def parse_request(body: bytes, header_length: str | None) -> Inference:
     """The texts, options and outputs of an infer request (`InvalidInput` when malformed)."""
     header, binary = _split(body, header_length)
-    try:
-        document = json.loads(header)
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidInput("the request body is not valid JSON") from None
-    except RecursionError:
-        raise InvalidInput("the request body is JSON nested too deep") from None
-    return parse_document(document, binary)
+    return parse_document(load_json(header), binary)
 
 
 def parse_document(document: Any, binary: bytes = b"") -> Inference:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from service.api import open_inference
 from service.api.auth import require_api_key_for_metadata
 from service.api.deadline import request_budget_s
-from service.api.errors import describe_validation_errors, status_of
+from service.api.errors import describe_validation_errors, protocol_status
 from service.api.routes.deps import AuthorizedDep, RegistryDep
 from service.core.errors import ServiceError
 from service.observability.timing import SERVER_TIMING, RequestTiming
@@ -47,8 +47,7 @@ class KServeRoute(APIRoute):
             try:
                 return await handler(request)
             except ServiceError as error:
-                status = status_of(error)
-                return kserve_error(400 if status == 422 else status, error.message,
+                return kserve_error(protocol_status(error), error.message,
                                     error.headers())
             except RequestValidationError as error:
                 return kserve_error(400, describe_validation_errors(error.errors()))

@@ -25,7 +25,6 @@ the query or a form body, as LibreTranslate's clients send it).
 
 from __future__ import annotations
 
-import json
 import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
@@ -36,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from starlette.exceptions import HTTPException
 
 from service.api.auth import check_api_key
-from service.api.errors import describe_validation_errors, error_response, status_of
+from service.api.errors import describe_validation_errors, error_response, protocol_status
+from service.api.media_type import is_json, load_json, media_type
 from service.api.routes.deps import RegistryDep
 from service.api.routes.generate import generate_texts
 from service.api.schemas import MAX_BEAM_SIZE, MAX_TEXTS, ErrorBody, GenerateRequest, Text
@@ -67,10 +67,9 @@ class BadInputIs400Route(APIRoute):
         async def bad_input_is_400(request: Request) -> Response:
             try:
                 return await handler(request)
-            except InvalidInput as error:
-                return error_response(400, error.message, error.error_type)
             except ServiceError as error:
-                return error_response(status_of(error), error.message, error.error_type, error.headers())
+                return error_response(protocol_status(error), error.message, error.error_type,
+                                      error.headers())
 
         return bad_input_is_400
 
@@ -119,8 +118,7 @@ async def languages_key(request: Request) -> None:
     authorization = request.headers.get("authorization")
     if authorization is None:
         key = request.query_params.get("api_key")
-        media_type = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-        if key is None and media_type == FORM:
+        if key is None and media_type(request.headers.get("content-type")) == FORM:
             key = (await _fields(request)).get("api_key")
         authorization = f"Bearer {key}" if key is not None else None
     check_api_key(authorization, settings)
@@ -139,7 +137,7 @@ async def languages(registry: RegistryDep) -> list[Language]:
 
 # The body is read by hand (JSON or a form); its fields documented here.
 TRANSLATE_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {
-    media_type: {"schema": TranslateBody.model_json_schema()} for media_type in ("application/json", FORM)}}}
+    media: {"schema": TranslateBody.model_json_schema()} for media in ("application/json", FORM)}}}
 
 
 @router.post("/translate", response_model=TranslateAnswer, responses=RESPONSES,
@@ -190,23 +188,17 @@ def _model(registry: ModelRegistry, source: str, target: str) -> str:
 
 async def _fields(request: Request) -> Any:
     """The body's fields: a JSON object or a URL-encoded form (its last value of each field)."""
-    media_type = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
     raw = await request.body()
-    if media_type == FORM:
+    if media_type(request.headers.get("content-type")) == FORM:
         try:
             form = urllib.parse.parse_qs(raw.decode("utf-8"), keep_blank_values=True, errors="strict",
                                          max_num_fields=MAX_FORM_FIELDS)
         except (UnicodeDecodeError, ValueError):
             raise InvalidInput(f"the form is not UTF-8 text of at most {MAX_FORM_FIELDS} fields") from None
         return {name: values[-1] for name, values in form.items()}
-    if media_type != "application/json":
+    if not is_json(request.headers.get("content-type")):
         raise HTTPException(415, f"the body must be JSON or a form ({FORM})")
-    try:
-        fields = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidInput("the request body is not valid JSON") from None
-    except RecursionError:
-        raise InvalidInput("the request body is JSON nested too deep") from None
+    fields = load_json(raw)
     if not isinstance(fields, dict):
         raise InvalidInput("the request body must be a JSON object")
     return fields
