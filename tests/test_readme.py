@@ -20,7 +20,7 @@ def test_the_manual_documents_every_route_with_a_checked_example() -> None:
     code = "\n".join(e.code for e in found)
     for route in ("/v1/translate", "/v1/summarize", "/v1/attention", "/v1/models", "/health/live",
                   "/health/ready", "/metrics", "/v2/models/translate-en-it/infer", '"stream":true',
-                  "tritonclient"):
+                  "tritonclient", "/v1/chat/completions", "/v1/completions", "/translate"):
         assert route in code, route
     # every example that talks to the server uses the documented address (the newcomer stage
     # points it at its own port); an in-process example talks to none

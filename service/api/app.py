@@ -53,6 +53,7 @@ from service.api.routes import (
     kserve,
     libretranslate,
     models,
+    openai,
     page,
     prometheus,
 )
@@ -166,7 +167,7 @@ def create_app(
     # the inference routes check the bearer token and (but KServe v2's, JSON or binary) the
     # body's type in their one dependency (`service.api.routes.deps`)
     for router in (generate.router, attention.router, models.router, health.router, kserve.router,
-                   libretranslate.router, page.router, docs.router):
+                   libretranslate.router, openai.router, page.router, docs.router):
         app.include_router(router)
     if settings.metrics_port is None:
         app.include_router(prometheus.router)

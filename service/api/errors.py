@@ -8,12 +8,13 @@ with a fixed message and no trace (the trace goes to the log).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from service.api.request_id import HEADER as REQUEST_ID_HEADER
@@ -74,6 +75,42 @@ def protocol_status(error: ServiceError) -> int:
     400 (KServe v2, LibreTranslate; gRPC's codes follow it): `status_of`, 400 for 422."""
     status = status_of(error)
     return 400 if status == 422 else status
+
+
+class ProtocolRoute(APIRoute):
+    """A route of a protocol that has an error body of its own (`body`; by default the server's)
+    and answers bad input with a 400 (`protocol_status`): its service errors, body validation
+    errors, HTTP errors, and unexpected errors (a 500 with a fixed message; the trace goes to the
+    log) all answer in that body, with the statuses and headers the server gives them."""
+
+    @staticmethod
+    def body(message: str, error_type: str, status: int) -> Any:
+        """The protocol's error body."""
+        return {"error": message, "error_type": error_type}
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        body = self.body
+
+        async def protocol_errors(request: Request) -> Response:
+            headers: Mapping[str, str] | None = None
+            try:
+                return await handler(request)
+            except ServiceError as error:
+                status, message, error_type = protocol_status(error), error.message, error.error_type
+                headers = error.headers()
+            except RequestValidationError as error:
+                status, message = 400, describe_validation_errors(error.errors())
+                error_type = InvalidInput.error_type
+            except HTTPException as error:
+                status, message, headers = error.status_code, str(error.detail), error.headers
+                error_type = _HTTP_ERROR_TYPES.get(error.status_code, "http_error")
+            except Exception as error:
+                logger.error("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
+                status, message, error_type = 500, "internal error", InternalError.error_type
+            return JSONResponse(body(message, error_type, status), status_code=status, headers=headers)
+
+        return protocol_errors
 
 
 def error_response(

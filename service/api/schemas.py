@@ -332,10 +332,22 @@ class ModelCard(BaseModel):
     batching: BatchCounters
 
 
+class OpenAIModel(BaseModel):
+    """One model of `GET /v1/models` as OpenAI's clients read it."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(description="when the list was made (Unix seconds)")
+    owned_by: str = "attnserve"
+
+
 class ModelList(BaseModel):
-    """Body of `GET /v1/models`."""
+    """Body of `GET /v1/models`: the models, and the same names in OpenAI's shape (`object`,
+    `data`) for its clients."""
 
     models: list[ModelCard]
+    object: Literal["list"] = "list"
+    data: list[OpenAIModel]
 
 
 class Health(BaseModel):

@@ -62,14 +62,37 @@ def event(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
+class Events:
+    """How a stream's events are written: by default the server's own, one `event` per token
+    event, then the final event (or an error's); a protocol with events of its own
+    (`service.api.routes.openai`) overrides them from the same data."""
+
+    def opening(self) -> bytes:
+        """What the stream starts with, before its first token."""
+        return b""
+
+    def token(self, data: dict[str, Any]) -> bytes:
+        """A token's event (`index`, `token`, `delta`, `text`)."""
+        return event(data)
+
+    def final(self, data: dict[str, Any]) -> bytes:
+        """The final event (`done`, `model`, `delta`, `output`, `usage`, and `timing` when kept)."""
+        return event(data)
+
+    def error(self, message: str, error_type: str) -> bytes:
+        """The last event of a stream that failed after it started."""
+        return event({"error": message, "error_type": error_type})
+
+
 def stream(
     prepared: Prepared, receive: Receive, settings: Settings, deadline: Deadline | None = None,
-    alignment: bool = False, timing: RequestTiming | None = None,
+    alignment: bool = False, timing: RequestTiming | None = None, events: Events | None = None,
 ) -> StreamingResponse:
     """Admit the request's rows (of its one text; raising `Overloaded`/`NotReady` now) and
     stream them, within `deadline` (default `request_timeout_s`); with `alignment` (one row:
     the route keeps the text whole), the final event's output has its word alignment; with
-    `timing`, the final event has the request's stages."""
+    `timing`, the final event has the request's stages; written by `events` (default the
+    server's own)."""
     batcher = prepared.entry.batcher
     assert batcher is not None and len(prepared.texts) == 1
     loop = asyncio.get_running_loop()
@@ -82,7 +105,7 @@ def stream(
     )
     budget_s = deadline.budget_s if deadline is not None else settings.request_timeout_s
     body = _events(prepared, list(zip(futures, queues, strict=True)), receive, budget_s,
-                   settings if alignment else None, timing)
+                   settings if alignment else None, timing, events or Events())
     return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
 
 
@@ -135,9 +158,10 @@ async def _events(
     budget_s: float,
     align_settings: Settings | None = None,
     timing: RequestTiming | None = None,
+    events: Events | None = None,
 ) -> AsyncIterator[bytes]:
-    """The events of one streamed row; with `align_settings`, the final output aligned; with
-    `timing`, the request's stages in the final event."""
+    """The events of one streamed row, written by `events`; with `align_settings`, the final
+    output aligned; with `timing`, the request's stages in the final event."""
     entry = prepared.entry
     batcher = entry.batcher
     assert batcher is not None
@@ -145,7 +169,11 @@ async def _events(
     gone = asyncio.ensure_future(_disconnected(receive))
     next_token: asyncio.Future[int] | None = None
     results: list[Generated] = []
+    events = events or Events()
     try:
+        opening = events.opening()
+        if opening:
+            yield opening
         for row, (future, tokens) in enumerate(rows):
             while True:
                 if next_token is None:
@@ -158,7 +186,8 @@ async def _events(
                 if gone in done:
                     return  # `finally` cancels the rows
                 if next_token in done:
-                    yield event(text.add(next_token.result()))
+                    if chunk := events.token(text.add(next_token.result())):
+                        yield chunk
                     next_token = None
                     continue
                 if future in done:
@@ -171,10 +200,12 @@ async def _events(
                 next_token.cancel()
                 next_token = None
             while not tokens.empty():  # sent by the worker before the batch ended
-                yield event(text.add(tokens.get_nowait()))
+                if chunk := events.token(text.add(tokens.get_nowait())):
+                    yield chunk
             result = future.result()
             for token in result.tokens[len(text.ids):]:  # beam search: the final hypothesis
-                yield event(text.add(token))
+                if chunk := events.token(text.add(token)):
+                    yield chunk
             text.end_row(row, list(result.tokens))
             results.append(result)
         extras: list[dict[str, Any]] = [{} for _ in prepared.texts]
@@ -193,12 +224,12 @@ async def _events(
                  "usage": pipeline.usage([out]).model_dump()}
         if timing is not None:
             final["timing"] = timing.milliseconds(time.perf_counter())
-        yield event(final)
+        yield events.final(final)
     except ServiceError as error:
-        yield event({"error": error.message, "error_type": error.error_type})
+        yield events.error(error.message, error.error_type)
     except Exception:
         logger.exception("model %s: a streamed request failed", entry.name)
-        yield event({"error": "internal error", "error_type": InternalError.error_type})
+        yield events.error("internal error", InternalError.error_type)
     finally:
         gone.cancel()
         if next_token is not None:

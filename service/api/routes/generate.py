@@ -72,16 +72,18 @@ async def summarize(
 
 
 async def generate_texts(
-    task: str,
+    task: str | None,
     body: GenerateRequest,
     request: Request,
     response: Response,
     registry: ModelRegistry,
     settings: Settings,
+    events: streaming.Events | None = None,
 ) -> GenerateResponse | Response:
-    """One request of `task` (`body` validated): its answer, or its event stream with `stream`;
-    the stage times go on `response`'s `Server-Timing` header. Also LibreTranslate's
-    `/translate` (`service.api.routes.libretranslate`)."""
+    """One request of `task` (any task when None; `body` validated): its answer, or its event
+    stream with `stream` (written by `events`, default the server's own); the stage times go on
+    `response`'s `Server-Timing` header. Also LibreTranslate's `/translate` and OpenAI's
+    completions (`service.api.routes.libretranslate`, `service.api.routes.openai`)."""
     started = time.perf_counter()
     timing = RequestTiming(started)
     request.state.timing = timing  # for the request's trace (service.observability.tracing)
@@ -105,7 +107,7 @@ async def generate_texts(
     deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
         return streaming.stream(prepared, request.receive, settings, deadline,
-                                alignment=body.return_alignment, timing=timing)
+                                alignment=body.return_alignment, timing=timing, events=events)
     sources = prepared.sources
     results = await pipeline.generate(prepared, settings, deadline, request, timing)
     extras: list[dict[str, Any]] = [{} for _ in texts]  # one per text

@@ -9,26 +9,19 @@ service's statuses except that bad input is a 400 (not 422). Conversion: `servic
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException
 
 from service.api import open_inference
 from service.api.auth import require_api_key_for_metadata
 from service.api.deadline import request_budget_s
-from service.api.errors import describe_validation_errors, protocol_status
+from service.api.errors import ProtocolRoute
 from service.api.routes.deps import AuthorizedDep, RegistryDep
-from service.core.errors import ServiceError
 from service.observability.timing import SERVER_TIMING, RequestTiming
-
-logger = logging.getLogger(__name__)
 
 
 def kserve_error(status_code: int, message: str,
@@ -37,28 +30,12 @@ def kserve_error(status_code: int, message: str,
     return JSONResponse({"error": message}, status_code=status_code, headers=headers)
 
 
-class KServeRoute(APIRoute):
+class KServeRoute(ProtocolRoute):
     """A route whose errors take the protocol's shape (bad input: 400)."""
 
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def protocol_errors(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ServiceError as error:
-                return kserve_error(protocol_status(error), error.message,
-                                    error.headers())
-            except RequestValidationError as error:
-                return kserve_error(400, describe_validation_errors(error.errors()))
-            except HTTPException as error:
-                return kserve_error(error.status_code, str(error.detail), error.headers)
-            except Exception as error:
-                logger.error("unhandled error on %s %s", request.method, request.url.path,
-                             exc_info=error)
-                return kserve_error(500, "internal error")
-
-        return protocol_errors
+    @staticmethod
+    def body(message: str, error_type: str, status: int) -> Any:
+        return {"error": message}
 
 
 router = APIRouter(tags=["kserve v2"], route_class=KServeRoute)

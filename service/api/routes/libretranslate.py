@@ -26,21 +26,19 @@ the query or a form body, as LibreTranslate's clients send it).
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 from starlette.exceptions import HTTPException
 
 from service.api.auth import check_api_key
-from service.api.errors import describe_validation_errors, error_response, protocol_status
+from service.api.errors import ProtocolRoute, describe_validation_errors
 from service.api.media_type import is_json, load_json, media_type
 from service.api.routes.deps import RegistryDep
 from service.api.routes.generate import generate_texts
 from service.api.schemas import MAX_BEAM_SIZE, MAX_TEXTS, ErrorBody, GenerateRequest, Text
-from service.core.errors import InvalidInput, ServiceError, shorten
+from service.core.errors import InvalidInput, shorten
 from service.core.registry import ModelRegistry
 from service.core.settings import Settings
 
@@ -58,23 +56,7 @@ LANGUAGE_NAMES = {
 }
 
 
-class BadInputIs400Route(APIRoute):
-    """A route whose bad input is a 400 (LibreTranslate's status), with the server's error body."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def bad_input_is_400(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ServiceError as error:
-                return error_response(protocol_status(error), error.message, error.error_type,
-                                      error.headers())
-
-        return bad_input_is_400
-
-
-router = APIRouter(tags=["libretranslate"], route_class=BadInputIs400Route)
+router = APIRouter(tags=["libretranslate"], route_class=ProtocolRoute)
 RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 408, 413, 415, 429, 500, 503, 504)
 }

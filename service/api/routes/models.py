@@ -1,4 +1,5 @@
-"""`GET /v1/models`: every model, its state, execution provider, variant and batch counters.
+"""`GET /v1/models`: every model, its state, execution provider, variant and batch counters;
+and their names in OpenAI's list (`object`, `data`), which its clients read.
 
 With `api_key` set it needs the token (unless `public_metadata`). A load error is shown without
 the server's file-system paths (`service.core.registry.public_error`); the log has them.
@@ -6,11 +7,13 @@ the server's file-system paths (`service.core.registry.public_error`); the log h
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Depends
 
 from service.api.auth import require_api_key_for_metadata
 from service.api.routes.deps import RegistryDep, SettingsDep
-from service.api.schemas import BatchCounters, ErrorBody, ModelCard, ModelList
+from service.api.schemas import BatchCounters, ErrorBody, ModelCard, ModelList, OpenAIModel
 from service.core.registry import ModelEntry
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key_for_metadata)])
@@ -19,8 +22,10 @@ router = APIRouter(tags=["models"], dependencies=[Depends(require_api_key_for_me
 @router.get("/v1/models", responses={401: {"model": ErrorBody}})
 async def list_models(registry: RegistryDep, settings: SettingsDep) -> ModelList:
     """The models found in the models folder, loaded or not."""
+    now = int(time.time())
     return ModelList(models=[_card(entry, settings.shortlist_rows, settings.gpu_memory_limit_mb, settings.workers)
-                             for entry in registry.entries])
+                             for entry in registry.entries],
+                     data=[OpenAIModel(id=entry.name, created=now) for entry in registry.entries])
 
 
 def _card(entry: ModelEntry, shortlist_rows: int, gpu_memory_limit_mb: int, processes: int) -> ModelCard:

@@ -249,6 +249,7 @@ def test_fuzzed_requests_never_get_a_5xx_or_break_the_schema(fuzzed_app: Any) ->
     assert {"POST /v2/models/{name}/infer", "POST /v2/models/{name}/versions/{version}/infer",
             "GET /v2/models/{name}"} <= fuzzed  # KServe v2 too, its infer body included
     assert {"POST /translate", "GET /languages"} <= fuzzed  # and LibreTranslate's, JSON and form bodies
+    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= fuzzed  # and OpenAI's
     checks = [no_server_error_but_deadlines, response_schema_conformance,
               status_code_conformance]
     for operation in operations:

@@ -1,0 +1,371 @@
+"""OpenAI's API: `POST /v1/completions` and `POST /v1/chat/completions`, so that OpenAI's clients
+(and the tools built on them) reach the models with only this server's address.
+
+A completion's `prompt` (a text, or a list of texts) is the source the model translates or
+summarizes; a chat completion's source is the text of its last message, which must be the
+user's (the model is no chat model: earlier messages, a system prompt among them, do not
+condition it). `model` names the model, of any task. Decoding is deterministic: greedy, or with
+`n` > 1 (or `best_of` on completions) a beam search whose `n` best finished hypotheses are the
+choices, best first. `max_tokens` (chat: `max_completion_tokens` too) is the output's token limit,
+by default the server's. `stream` answers one text with `n` 1 as OpenAI's chunks
+(`data: {json}` events, then `data: [DONE]`; `stream_options.include_usage` adds a last chunk
+with the usage). `finish_reason` is "stop" when the model ended the output and "length" at the
+token limit.
+
+What this server does not do is refused with a 400 that says so: sampling (`temperature` other
+than 0, `top_p` other than 1), stop sequences, penalties, logit biases, log-probabilities
+(`/v1/translate`'s `return_scores` gives them), `echo`, `suffix`, tools, a response format
+other than text, and non-text message parts. Fields OpenAI defines that change nothing here
+(`seed`, `user`, `metadata`, ...) and unknown fields are ignored.
+
+The texts take `/v1/translate`'s path (`service.api.routes.generate.generate_texts`): the limits,
+long texts split into sentences, continuous batching, the deadline, the client's disconnect,
+`Server-Timing`, metrics under the route's path. Errors have OpenAI's body,
+`{"error": {"message", "type", "param", "code"}}`, with the server's statuses, bad input a 400;
+a full queue's 429 carries `Retry-After`, which OpenAI's clients wait for before retrying.
+`GET /v1/models` lists the models in OpenAI's shape too (`object`, `data`:
+`service.api.routes.models`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
+
+from service.api import streaming
+from service.api.errors import ProtocolRoute, describe_validation_errors
+from service.api.routes.deps import JsonInferenceDep
+from service.api.routes.generate import generate_texts
+from service.api.schemas import MAX_BEAM_SIZE, MAX_TEXTS, GenerateRequest, GenerateResponse
+from service.core.errors import InvalidInput
+from service.core.limits import MAX_NEW_TOKENS
+
+MAX_MESSAGES = 256
+FinishReason = Literal["stop", "length"]
+FINISH_REASONS: dict[str, FinishReason] = {"eos": "stop", "length": "length"}
+
+
+class OpenAIRoute(ProtocolRoute):
+    """A route whose errors have OpenAI's body (bad input: 400)."""
+
+    @staticmethod
+    def body(message: str, error_type: str, status: int) -> Any:
+        return _error(message, error_type, status)
+
+
+def _error(message: str, error_type: str, status: int | None = None) -> dict[str, Any]:
+    """OpenAI's error body."""
+    return {"error": {"message": message, "type": error_type, "param": None, "code": status}}
+
+
+router = APIRouter(tags=["openai"], route_class=OpenAIRoute)
+ERROR: dict[str, Any] = {"content": {"application/json": {"example": _error("...", "invalid_input", 400)}}}
+RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: ERROR for code in (400, 401, 404, 408, 413, 415, 429, 500, 503, 504)
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class Options(BaseModel):
+    """The fields both routes share: the model, the choices, streaming, and OpenAI's sampling
+    fields, each checked for a value this server honours (`refusals`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    n: int = Field(1, ge=1, le=MAX_BEAM_SIZE, description="the n best hypotheses of a beam of n (or `best_of`)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, description="0 or absent: decoding is deterministic")
+    top_p: float | None = Field(None, description="1 or absent")
+    stop: str | list[str] | None = Field(None, description="not supported: absent or empty")
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = Field(None, description="not supported: absent, false or 0")
+    seed: int | None = None
+    user: str | None = None
+
+    def refusals(self) -> list[str]:
+        """What the request asks that this server does not do, one reason each."""
+        found = []
+        if self.temperature not in (None, 0):
+            found.append("temperature: decoding is deterministic here (greedy, or beam search for n > 1); "
+                         "send 0 or leave it out")
+        if self.top_p not in (None, 1):
+            found.append("top_p: decoding is deterministic here; send 1 or leave it out")
+        if self.stop:
+            found.append("stop: stop sequences are not supported; the output ends with the model's end of sequence")
+        if self.presence_penalty or self.frequency_penalty:
+            found.append("presence_penalty, frequency_penalty: penalties are not supported")
+        if self.logit_bias:
+            found.append("logit_bias: not supported")
+        if self.logprobs:
+            found.append("logprobs: not returned on this route; POST /v1/translate with return_scores "
+                         "gives each token's log-probability")
+        return found
+
+
+class CompletionRequest(Options):
+    """`POST /v1/completions`' body."""
+
+    # each text checked as `/v1/translate` checks its own (`_generate`)
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_TEXTS)]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, description="default: the server's")
+    best_of: int | None = Field(None, ge=1, le=MAX_BEAM_SIZE, description="the beam's width (at least n)")
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+
+
+class ChatRequest(Options):
+    """`POST /v1/chat/completions`' body."""
+
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, description="default: the server's")
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+STREAMED = {"text/event-stream": {"schema": {"type": "string"},
+                                  "description": "with `stream`: OpenAI's chunks, then `data: [DONE]`"}}
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses={**RESPONSES, 200: {"content": STREAMED}})
+async def completions(body: CompletionRequest, request: Request, response: Response,
+                      serving: JsonInferenceDep) -> Any:
+    """Translate or summarize `prompt` with `model`, as OpenAI's completions."""
+    refused = body.refusals()
+    if body.echo:
+        refused.append("echo: not supported")
+    if body.suffix:
+        refused.append("suffix: not supported")
+    if body.best_of is not None and body.best_of < body.n:
+        refused.append("best_of: must be at least n")
+    _refuse(refused)
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    _check_stream(body, len(prompts))
+    beams = max(body.n, body.best_of or 1)
+    identity, created = f"cmpl-{_request_id(request)}", int(time.time())
+    answer = await generate_texts(
+        None, _generate(prompts, body.model, beams, body.n, body.max_tokens, body.stream, ("prompt",)), request, response,
+        serving.registry, serving.settings,
+        _Chunks("text_completion", identity, created, body.model, _include_usage(body)),
+    )
+    if isinstance(answer, Response):
+        return answer
+    choices = [CompletionChoice(index=i * body.n + j, text=text, finish_reason=FINISH_REASONS[reason])
+               for i, texts in enumerate(_choices(answer, body.n)) for j, (text, reason) in enumerate(texts)]
+    return CompletionResponse(id=identity, created=created, model=answer.model, choices=choices,
+                              usage=_usage(answer, body.n))
+
+
+@router.post("/v1/chat/completions", response_model=ChatResponse, responses={**RESPONSES, 200: {"content": STREAMED}})
+async def chat_completions(body: ChatRequest, request: Request, response: Response,
+                           serving: JsonInferenceDep) -> Any:
+    """Translate or summarize the last (user's) message with `model`, as OpenAI's chat completions."""
+    refused = body.refusals()
+    if body.top_logprobs:
+        refused.append("top_logprobs: not supported")
+    if body.tools or body.functions or body.tool_choice not in (None, "none"):
+        refused.append("tools: the model calls no tools")
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        refused.append("response_format: text only")
+    _refuse(refused)
+    source = _source(body.messages)
+    _check_stream(body, 1)
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    identity, created = f"chatcmpl-{_request_id(request)}", int(time.time())
+    answer = await generate_texts(
+        None, _generate([source], body.model, body.n, body.n, limit, body.stream,
+                        ("messages", len(body.messages) - 1, "content")), request, response,
+        serving.registry, serving.settings,
+        _Chunks("chat.completion.chunk", identity, created, body.model, _include_usage(body)),
+    )
+    if isinstance(answer, Response):
+        return answer
+    [texts] = _choices(answer, body.n)
+    choices = [ChatChoice(index=j, message=AssistantMessage(content=text), finish_reason=FINISH_REASONS[reason])
+               for j, (text, reason) in enumerate(texts)]
+    return ChatResponse(id=identity, created=created, model=answer.model, choices=choices,
+                        usage=_usage(answer, body.n))
+
+
+def _request_id(request: Request) -> str:
+    """The request's id (its `X-Request-ID`), which names the completion."""
+    return str(request.scope.get("state", {}).get("request_id", ""))
+
+
+def _refuse(reasons: list[str]) -> None:
+    if reasons:
+        raise InvalidInput("; ".join(reasons))
+
+
+def _check_stream(body: Options, texts: int) -> None:
+    if body.stream and (texts != 1 or body.n != 1):
+        raise InvalidInput("stream: one prompt and n = 1 only")
+
+
+def _include_usage(body: Options) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _source(messages: list[Message]) -> str:
+    """The text of the last message, which must be the user's."""
+    last = messages[-1]
+    if last.role != "user":
+        raise InvalidInput(f"messages: the last message must be the user's (the text to answer), not {last.role!r}")
+    if last.content is None or isinstance(last.content, str):
+        text = last.content or ""
+    else:
+        if any(part.type != "text" or part.text is None for part in last.content):
+            raise InvalidInput("messages: only text parts are supported")
+        text = "".join(part.text or "" for part in last.content)
+    return text
+
+
+def _generate(texts: list[str], model: str, beams: int, n: int, max_tokens: int | None,
+              stream: bool, where: tuple[str | int, ...]) -> GenerateRequest:
+    """`/v1/translate`'s request for these texts, validated as it validates its own; a text's
+    errors are located at `where` (and the prompt's index when there are several)."""
+    fields: dict[str, Any] = {"texts": texts, "model": model, "beam_size": beams, "stream": stream}
+    if n > 1:
+        fields["num_hypotheses"] = n
+    if max_tokens is not None:
+        fields["max_new_tokens"] = max_tokens
+    if stream:
+        fields = {"text": texts[0], **{k: v for k, v in fields.items() if k != "texts"}}
+    try:
+        return GenerateRequest.model_validate(fields)
+    except ValidationError as error:
+        index = slice(1, None) if len(texts) > 1 else slice(2, None)  # a lone text's index dropped
+        errors = [{**e, "loc": (*where, *e["loc"][index])} if e.get("loc") and e["loc"][0] in ("text", "texts")
+                  else e for e in error.errors()]
+        raise InvalidInput(describe_validation_errors(errors)) from None
+
+
+def _choices(answer: GenerateResponse, n: int) -> list[list[tuple[str, str]]]:  # (text, "eos" | "length")
+    """Per text, its n choices' (text, finish reason): the output, or its n best hypotheses."""
+    if n == 1:
+        return [[(output.text, output.finish_reason)] for output in answer.outputs]
+    return [[(h.text, h.finish_reason) for h in (output.hypotheses or [])[:n]] for output in answer.outputs]
+
+
+def _usage(answer: GenerateResponse, n: int) -> Usage:
+    """The prompts' tokens and those of every choice."""
+    prompt = answer.usage.input_tokens
+    if n == 1:
+        completion = answer.usage.output_tokens
+    else:
+        completion = sum(h.output_tokens for output in answer.outputs for h in (output.hypotheses or [])[:n])
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _Chunks(streaming.Events):
+    """A stream as OpenAI's chunks of `kind` ("text_completion" or "chat.completion.chunk")."""
+
+    def __init__(self, kind: str, identity: str, created: int, model: str, include_usage: bool) -> None:
+        self.kind, self.identity, self.created, self.model = kind, identity, created, model
+        self.include_usage = include_usage
+
+    def _chunk(self, delta: str | None, finish_reason: str | None, role: bool = False) -> bytes:
+        choice: dict[str, Any] = {"index": 0}
+        if self.kind == "text_completion":
+            choice.update(text=delta or "", logprobs=None)
+        else:
+            message: dict[str, Any] = {"role": "assistant"} if role else {}
+            if delta is not None:
+                message["content"] = delta
+            choice.update(delta=message, logprobs=None)
+        choice["finish_reason"] = finish_reason
+        return streaming.event({"id": self.identity, "object": self.kind, "created": self.created,
+                                "model": self.model, "choices": [choice]})
+
+    def opening(self) -> bytes:
+        return b"" if self.kind == "text_completion" else self._chunk("", None, role=True)
+
+    def token(self, data: dict[str, Any]) -> bytes:
+        return self._chunk(data["delta"], None) if data["delta"] else b""
+
+    def final(self, data: dict[str, Any]) -> bytes:
+        output = data["output"]
+        end = self._chunk(data["delta"] or None, FINISH_REASONS[output["finish_reason"]])
+        if self.include_usage:
+            usage = data["usage"]
+            end += streaming.event({
+                "id": self.identity, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [], "usage": Usage(prompt_tokens=usage["input_tokens"],
+                                              completion_tokens=usage["output_tokens"],
+                                              total_tokens=usage["input_tokens"] + usage["output_tokens"]).model_dump()})
+        return end + b"data: [DONE]\n\n"
+
+    def error(self, message: str, error_type: str) -> bytes:
+        return streaming.event(_error(message, error_type)) + b"data: [DONE]\n\n"
