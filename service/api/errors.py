@@ -21,6 +21,7 @@ from service.api.request_id import HEADER as REQUEST_ID_HEADER
 from service.core.errors import (
     ClientDisconnected,
     DeadlineExceeded,
+    Forbidden,
     InternalError,
     InvalidInput,
     ModelNotFound,
@@ -42,6 +43,7 @@ MAX_MESSAGE_CHARS = 1000
 _STATUS: dict[type[ServiceError], int] = {
     InvalidInput: 422,
     Unauthorized: 401,
+    Forbidden: 403,
     PayloadTooLarge: 413,
     ModelNotFound: 404,
     Overloaded: 429,

@@ -4,8 +4,9 @@ same process, on the same event loop, models and batchers.
 
 The service `inference.GRPCInferenceService` answers its core methods: `ServerLive`,
 `ServerReady`, `ModelReady` (false for an unknown model, as a probe expects), `ServerMetadata`,
-`ModelMetadata` and `ModelInfer`; Triton's own additions (streaming, model control, shared
-memory, statistics) answer UNIMPLEMENTED. gRPC's health checking protocol answers too
+`ModelMetadata` and `ModelInfer`, and the model repository's `RepositoryIndex`,
+`RepositoryModelLoad` and `RepositoryModelUnload` (as the REST routes: `model_control`, the key);
+Triton's other additions (streaming, shared memory, statistics) answer UNIMPLEMENTED. gRPC's health checking protocol answers too
 (`grpc.health.v1.Health/Check`, for Kubernetes' gRPC probes and load balancers): SERVING while
 the server is ready. The messages: `service.api.grpc_messages`.
 
@@ -25,7 +26,8 @@ GRPCInferenceService/ModelInfer`) as the route and the status the REST route wou
 (`service.observability.tracing.CallTracer`).
 With `api_key`, `ModelInfer` (and `ModelMetadata`, unless `public_metadata`) need the metadata
 `authorization: Bearer <key>`. Errors carry the service's message and the gRPC code of its
-kind (`CODES`): bad input INVALID_ARGUMENT, unknown model NOT_FOUND, a full queue
+kind (`CODES`): bad input INVALID_ARGUMENT, unknown model NOT_FOUND, model control off
+PERMISSION_DENIED, a full queue
 RESOURCE_EXHAUSTED (with a `retry-after` trailer, seconds), not ready UNAVAILABLE, past the
 deadline DEADLINE_EXCEEDED, anything unexpected INTERNAL with a fixed message (the trace goes
 to the log). Messages over `max_body_bytes` are refused by gRPC itself (RESOURCE_EXHAUSTED),
@@ -67,6 +69,7 @@ RETRY_KEY = "retry-after"
 CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -104,6 +107,8 @@ class InferenceService:
             "ServerLive": self.server_live, "ServerReady": self.server_ready,
             "ModelReady": self.model_ready, "ServerMetadata": self.server_metadata,
             "ModelMetadata": self.model_metadata, "ModelInfer": self.model_infer,
+            "RepositoryIndex": self.repository_index, "RepositoryModelLoad": self.repository_load,
+            "RepositoryModelUnload": self.repository_unload,
         }
         methods = {  # requests arrive as bytes: `_call` parses them (bad bytes: INVALID_ARGUMENT)
             name: grpc.unary_unary_rpc_method_handler(
@@ -182,6 +187,25 @@ class InferenceService:
                 else open_inference.serialize_bytes(values[name]))
         return response
 
+    async def repository_index(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
+        check_api_key(call.metadata.get("authorization"), self.settings)
+        response = pb.RepositoryIndexResponse()
+        for model in open_inference.repository_index(self.registry, request.ready):
+            response.models.add(**model.model_dump())
+        return response
+
+    async def repository_load(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
+        check_api_key(call.metadata.get("authorization"), self.settings)
+        open_inference.check_model_control(self.settings, _parameters(request.parameters), unload=False)
+        await self.registry.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_unload(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
+        check_api_key(call.metadata.get("authorization"), self.settings)
+        open_inference.check_model_control(self.settings, _parameters(request.parameters), unload=True)
+        await self.registry.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
     def _call(self, path: str, message: Any, handle: Handler) -> Callable[..., Awaitable[Any]]:
         """`handle` of the method at `path` (one of `pb.PATHS`) with the call's request parsed as
         a `message`, its id, access line, metrics and errors (module docstring)."""
@@ -259,7 +283,7 @@ def _document(request: Any) -> tuple[dict[str, Any], bytes]:
 
 
 def _parameters(parameters: Any) -> dict[str, Any]:
-    """A `map<string, InferParameter>` as a dict of its values."""
+    """A `map<string, InferParameter>` (or `ModelRepositoryParameter`) as a dict of its values."""
     values = {}
     for name, parameter in parameters.items():
         kind = parameter.WhichOneof("parameter_choice")

@@ -5,8 +5,8 @@ Names and field numbers are the protocol's (`grpc_predict_v2.proto`, which Trito
 `grpc_service.proto` extends), so a stock client (`tritonclient[grpc]`) and this server read
 each other's bytes; the messages live in a pool of their own, beside any generated copy a
 client library registers in protobuf's default pool. Only the core methods' messages are here
-(`METHODS`): health, metadata and `ModelInfer`; and gRPC's own health checking protocol
-(`grpc.health.v1.Health/Check`).
+(`METHODS`): health, metadata, `ModelInfer`, and the model repository's (Triton's index, load
+and unload); and gRPC's own health checking protocol (`grpc.health.v1.Health/Check`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def _many(name: str, number: int, kind: int, message: str | None = None) -> Fiel
 
 
 def _parameters(number: int) -> Field:
-    """A `map<string, InferParameter>` field (its entry type is the nested `ParametersEntry`)."""
+    """A `map<string, InferParameter>` field (its entry type is the nested `ParametersEntry`;
+    `ModelRepositoryParameter` values in the repository's messages, `_REPOSITORY_PARAMETERS`)."""
     return _many("parameters", number, _MESSAGE, "ParametersEntry")
 
 
@@ -81,6 +82,23 @@ _MESSAGES: dict[str, tuple[list[Field], dict[str, Any]]] = {
                               _one("contents", 5, _MESSAGE, "InferTensorContents")], {}),
         "InferRequestedOutputTensor": ([_one("name", 1, _STRING), _parameters(2)], {}),
     }),
+    "ModelRepositoryParameter": ([  # one of these (the oneof `parameter_choice`)
+        _one("bool_param", 1, _BOOL), _one("int64_param", 2, _INT64),
+        _one("string_param", 3, _STRING), _one("bytes_param", 4, _BYTES),
+    ], {}),
+    "RepositoryIndexRequest": ([_one("repository_name", 1, _STRING), _one("ready", 2, _BOOL)], {}),
+    "RepositoryIndexResponse": ([_many("models", 1, _MESSAGE, "ModelIndex")], {
+        "ModelIndex": ([_one("name", 1, _STRING), _one("version", 2, _STRING), _one("state", 3, _STRING),
+                        _one("reason", 4, _STRING)], {}),
+    }),
+    "RepositoryModelLoadRequest": ([
+        _one("repository_name", 1, _STRING), _one("model_name", 2, _STRING), _parameters(3),
+    ], {}),
+    "RepositoryModelLoadResponse": ([], {}),
+    "RepositoryModelUnloadRequest": ([
+        _one("repository_name", 1, _STRING), _one("model_name", 2, _STRING), _parameters(3),
+    ], {}),
+    "RepositoryModelUnloadResponse": ([], {}),
     "ModelInferResponse": ([
         _one("model_name", 1, _STRING), _one("model_version", 2, _STRING), _one("id", 3, _STRING),
         _parameters(4), _many("outputs", 5, _MESSAGE, "InferOutputTensor"),
@@ -91,14 +109,15 @@ _MESSAGES: dict[str, tuple[list[Field], dict[str, Any]]] = {
     }),
 }
 
-# The core methods: name -> (request message, response message); all unary.
+# The methods: name -> (request message, response message); all unary. The core ones, and the
+# model repository's (Triton's, what tritonclient's load_model and unload_model call).
 METHODS: dict[str, tuple[str, str]] = {
     name: (f"{name}Request", f"{name}Response")
     for name in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-                 "ModelInfer")
+                 "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
 }
-
-
+_ONE_OF = ("InferParameter", "ModelRepositoryParameter")  # each field in the oneof `parameter_choice`
+_REPOSITORY_PARAMETERS = ("RepositoryModelLoadRequest", "RepositoryModelUnloadRequest")
 
 
 def _message(name: str, fields: list[Field], nested: dict[str, Any],
@@ -113,10 +132,11 @@ def _message(name: str, fields: list[Field], nested: dict[str, Any],
         entry = proto.nested_type.add(name="ParametersEntry")
         entry.options.map_entry = True
         entry.field.append(_FIELD(name="key", number=1, type=_STRING, label=_FIELD.LABEL_OPTIONAL))
+        value = "ModelRepositoryParameter" if name in _REPOSITORY_PARAMETERS else "InferParameter"
         entry.field.append(_FIELD(name="value", number=2, type=_MESSAGE, label=_FIELD.LABEL_OPTIONAL,
-                                  type_name=f".{PACKAGE}.InferParameter"))
+                                  type_name=f".{PACKAGE}.{value}"))
     local = {*nested, "ParametersEntry"}
-    oneof = name == "InferParameter"
+    oneof = name in _ONE_OF
     if oneof:
         proto.oneof_decl.add(name="parameter_choice")
     for field_name, number, kind, repeated, message in fields:
@@ -193,5 +213,8 @@ ModelMetadataResponse = message_class("ModelMetadataResponse")
 ModelInferRequest = message_class("ModelInferRequest")
 ModelInferResponse = message_class("ModelInferResponse")
 InferParameter = message_class("InferParameter")
+RepositoryIndexResponse = message_class("RepositoryIndexResponse")
+RepositoryModelLoadResponse = message_class("RepositoryModelLoadResponse")
+RepositoryModelUnloadResponse = message_class("RepositoryModelUnloadResponse")
 HealthCheckRequest = message_class("HealthCheckRequest", HEALTH_PACKAGE)
 HealthCheckResponse = message_class("HealthCheckResponse", HEALTH_PACKAGE)

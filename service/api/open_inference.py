@@ -19,6 +19,11 @@ element is a 4-byte little-endian length then that many bytes. Outputs are binar
 request asks (`binary_data` on a requested output, or `binary_data_output`). Problems are
 `InvalidInput` (400 on these routes).
 
+The model repository extension (`repository_index`, and with `model_control` the registry's
+`load` and `unload`, checked by `check_model_control`): every model folder and model served with
+its state, READY, LOADING or UNAVAILABLE with the reason; a load reads a model folder's files
+again and takes no parameters (Triton's `config` and `file:` overrides are refused).
+
 Hostile bodies are refused the same way: JSON nested too deep for the parser, `data` nested
 deeper than a shape may have dimensions, dimensions over `MAX_DIM`, and texts (or an `id`)
 holding control characters or lone surrogates, as `/v1` refuses them
@@ -53,7 +58,7 @@ from service.api.decode_options import decode_options, whole_texts
 from service.api.errors import describe_validation_errors
 from service.api.media_type import load_json
 from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, PrefixText, clean_text
-from service.core.errors import InvalidInput, ModelNotFound, shorten
+from service.core.errors import Forbidden, InvalidInput, ModelNotFound, shorten
 from service.core.registry import ModelEntry, ModelRegistry
 from service.core.settings import Settings
 from service.observability.timing import RequestTiming
@@ -66,7 +71,7 @@ SCORE = "score"  # FP32, with `return_scores`
 BYTES = "BYTES"
 FP32 = "FP32"
 _FLOAT = struct.Struct("<f")
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_repository"]
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _LENGTH = struct.Struct("<I")
 MAX_DIMS = 8  # dimensions of a tensor's shape, and nesting levels of its `data`
@@ -126,6 +131,45 @@ def known_model(registry: ModelRegistry, name: str, version: str) -> ModelEntry:
         raise ModelNotFound(f"model {name!r} has no version {shorten(repr(version))}; "
                             f"it has {MODEL_VERSION!r}")
     return entry
+
+
+# ---------------------------------------------------------------- model repository
+
+
+class RepositoryModel(BaseModel):
+    """A model of the repository index."""
+
+    name: str
+    version: str = MODEL_VERSION
+    state: str  # READY, LOADING, UNAVAILABLE
+    reason: str = ""
+
+
+def repository_index(registry: ModelRegistry, ready_only: bool) -> list[RepositoryModel]:
+    """Every model folder of the models folder and every model served, by name (the ready ones
+    only with `ready_only`): READY, LOADING, or UNAVAILABLE with the reason (its load error, or
+    "not loaded")."""
+    found = []
+    for name, entry in registry.folders():
+        if entry is None:
+            found.append(RepositoryModel(name=name, state="UNAVAILABLE", reason="not loaded"))
+        elif entry.state == "failed":
+            found.append(RepositoryModel(name=name, state="UNAVAILABLE", reason=entry.error or "failed"))
+        else:
+            found.append(RepositoryModel(name=name, state=entry.state.upper()))
+    return [model for model in found if model.state == "READY" or not ready_only]
+
+
+def check_model_control(settings: Settings, parameters: dict[str, Any], unload: bool) -> None:
+    """A load's or unload's check: `Forbidden` while `model_control` is off; `InvalidInput` for
+    parameters (an unload's `unload_dependents` aside: no model depends on another here)."""
+    if not settings.model_control:
+        raise Forbidden("model control is off: start the server with --model-control "
+                        "(ATTNSERVE_MODEL_CONTROL=1) to load and unload models while it serves")
+    taken = {"unload_dependents"} if unload else set()
+    if set(parameters) - taken:
+        raise InvalidInput("parameters are not supported: a model is loaded from its folder's files"
+                           + ("; an unload takes unload_dependents only" if unload else ""))
 
 
 # ---------------------------------------------------------------- inference request

@@ -81,6 +81,12 @@ class Unauthorized(ServiceError):
         return {"WWW-Authenticate": 'Bearer realm="attnserve"'}
 
 
+class Forbidden(ServiceError):
+    """What the server's settings do not allow (model control while it is off)."""
+
+    error_type = "forbidden"
+
+
 class ClientDisconnected(ServiceError):
     """The client went away while its request waited; nobody reads the answer (499)."""
 

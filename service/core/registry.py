@@ -13,13 +13,14 @@ server is ready when every model is, and not while draining for shutdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +29,7 @@ from service.batching.batcher import Batcher, GenerateFn
 from service.batching.in_flight import InFlightBatch
 from service.batching.policy import BatchLimits
 from service.batching.pool import BatcherPool
-from service.core.errors import ModelNotFound, NotReady
+from service.core.errors import InvalidInput, ModelNotFound, NotReady, shorten
 from service.core.settings import Settings
 from service.observability import metrics
 from service.runtime.protocol import Runtime
@@ -36,6 +37,7 @@ from service.runtime.protocol import Runtime
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")  # a model folder's name: no path
 TASKS = ("translate", "summarize")
 State = Literal["loading", "ready", "failed"]
 
@@ -121,6 +123,8 @@ class ModelRegistry:
         self._entries: dict[str, ModelEntry] = {}
         self._thread: threading.Thread | None = None
         self._settled: asyncio.Event | None = None
+        self._control_lock: asyncio.Lock | None = None  # one load or unload at a time
+        self._retiring: set[asyncio.Future[None]] = set()  # replaced versions' batchers, draining
 
     @property
     def entries(self) -> list[ModelEntry]:
@@ -178,7 +182,84 @@ class ModelRegistry:
         """Drain every batcher (at most `timeout_s`) and stop them."""
         self.begin_draining()
         batchers = [e.batcher for e in self._entries.values() if e.batcher is not None]
-        await asyncio.gather(*(batcher.close(timeout_s) for batcher in batchers))
+        await asyncio.gather(*(batcher.close(timeout_s) for batcher in batchers), *self._retiring)
+
+    def folders(self) -> list[tuple[str, ModelEntry | None]]:
+        """Every model folder under the models folder now and every model served, by name, with
+        its entry (None: a folder not loaded)."""
+        names = {path.name for path in self._discover(quiet=True)} | set(self._entries)
+        return [(name, self._entries.get(name)) for name in sorted(names)]
+
+    async def load(self, name: str) -> ModelEntry:
+        """Load the model folder `name` of the models folder (again, when it is served) while
+        the others serve: hash check, sessions and warm-up in a thread; once ready it takes the
+        name, and the version it replaces drains in the background (its queued and running rows
+        finish on it; requests after the swap reach the new one). A load that fails raises
+        `InvalidInput` with the reason and leaves the version served (if any) serving.
+        `ModelNotFound` for a name that is no model folder; `NotReady` while the models of the
+        start still load, or while draining."""
+        path = self._folder(name)
+        async with self._control():
+            task, languages = _manifest_head(path)
+            entry = ModelEntry(name, path, task=task, languages=languages)
+            start = time.perf_counter()
+            try:
+                runtime, generate = await asyncio.to_thread(self._load_one, entry)
+            except Exception as error:  # noqa: BLE001 -- logged with its trace by _load_error
+                raise InvalidInput(f"model {name!r} failed to load: {self._load_error(entry, error)}") from None
+            if self.draining:
+                raise NotReady("the server is shutting down")
+            self._serve(entry, runtime, generate, time.perf_counter() - start)
+            old = self._entries.get(name)
+            self._entries = dict(sorted({**self._entries, name: entry}.items()))
+            if old is not None:
+                self._retire(old, keep_info=old.runtime is not None and (old.runtime.task, old.runtime.provider,
+                             old.runtime.variant) == (runtime.task, runtime.provider, runtime.variant))
+            logger.info("model %s %s", name, "reloaded" if old is not None else "loaded")
+            return entry
+
+    async def unload(self, name: str) -> None:
+        """Stop serving model `name`: requests for it get a 404 at once, its queued and running
+        rows finish in the background. `ModelNotFound` when it is not served."""
+        async with self._control():
+            entry = self._entries.get(name)
+            if entry is None:
+                raise ModelNotFound(f"model {shorten(repr(name))} is not loaded")
+            self._entries = {key: value for key, value in self._entries.items() if key != name}
+            self._retire(entry, keep_info=False)
+            logger.info("model %s unloaded", name)
+
+    def _folder(self, name: str) -> Path:
+        """The folder of model `name`: a sub-folder of the models folder with a manifest."""
+        path = self.settings.models_dir / name
+        if (not _FOLDER_NAME.fullmatch(name) or name.startswith(".")
+                or not (path / MANIFEST).is_file()):
+            raise ModelNotFound(f"no model folder {shorten(repr(name))} in the models folder")
+        return path
+
+    @contextlib.asynccontextmanager
+    async def _control(self) -> AsyncIterator[None]:
+        """One load or unload at a time, after the models of the start have settled, not while draining."""
+        if self.draining:
+            raise NotReady("the server is shutting down")
+        if self._settled is not None and not self._settled.is_set():
+            raise NotReady("the models of the start are still loading")
+        if self._control_lock is None:
+            self._control_lock = asyncio.Lock()
+        async with self._control_lock:
+            yield
+
+    def _retire(self, entry: ModelEntry, keep_info: bool) -> None:
+        """Drain a replaced or unloaded version's batchers in the background; its `model_info`
+        goes unless the version that replaces it has the same labels."""
+        if entry.runtime is not None and not keep_info:
+            with contextlib.suppress(KeyError):
+                metrics.MODEL_INFO.remove(entry.name, entry.runtime.task, entry.runtime.provider,
+                                          entry.runtime.variant)
+        if entry.batcher is not None:
+            task = asyncio.ensure_future(entry.batcher.close(self.settings.drain_timeout_s))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     def resolve(self, task: str | None, name: str | None) -> ModelEntry:
         """The ready model `name` serving `task` (any task when None), or the task's default.
@@ -205,11 +286,13 @@ class ModelRegistry:
         """The first model (by name) of `task`, ready or not."""
         return next((e for e in self._entries.values() if e.task == task), None)
 
-    def _discover(self) -> list[Path]:
-        """Sub-folders of the models folder that hold a manifest, sorted by name."""
+    def _discover(self, quiet: bool = False) -> list[Path]:
+        """Sub-folders of the models folder that hold a manifest, sorted by name; unless
+        `quiet`, what is not one is logged."""
         root = self.settings.models_dir
         if not root.is_dir():
-            logger.error("models folder %s does not exist", root)
+            if not quiet:
+                logger.error("models folder %s does not exist", root)
             return []
         folders = []
         for path in sorted(root.iterdir()):
@@ -217,7 +300,7 @@ class ModelRegistry:
                 continue
             if (path / MANIFEST).is_file():
                 folders.append(path)
-            else:
+            elif not quiet:
                 logger.warning("skipping %s: no %s", path, MANIFEST)
         return folders
 
@@ -226,23 +309,32 @@ class ModelRegistry:
         for entry in list(self._entries.values()):
             start = time.perf_counter()
             try:
-                runtime = self._loader(entry.path)
-                if runtime.task not in TASKS:
-                    raise ValueError(f"unknown task {runtime.task!r}")
-                if entry.task is not None and runtime.task != entry.task:
-                    raise ValueError(f"task {runtime.task!r} differs from the manifest's")
-                generate = self._generator(runtime)
-                self._warm_up(runtime, generate)
-            except Exception as error:  # any failure leaves the server live, not ready
-                logger.error("model %s failed to load from %s: %s: %s", entry.name, entry.path,
-                             type(error).__name__, error, exc_info=error)
-                message = public_error(f"{type(error).__name__}: {error}", entry.path)
-                self._publish(loop, self._on_failed, entry, message)
+                runtime, generate = self._load_one(entry)
+            except Exception as error:  # noqa: BLE001 -- logged by _load_error; live, not ready
+                self._publish(loop, self._on_failed, entry, self._load_error(entry, error))
                 continue
             seconds = time.perf_counter() - start
             self._publish(loop, self._on_loaded, entry, runtime, generate, seconds)
         if self._settled is not None:
             self._publish(loop, self._settled.set)  # after every model's own callback
+
+    def _load_one(self, entry: ModelEntry) -> tuple[Runtime, GenerateFn]:
+        """Load, check and warm up `entry`'s folder (in a thread: it takes seconds)."""
+        runtime = self._loader(entry.path)
+        if runtime.task not in TASKS:
+            raise ValueError(f"unknown task {runtime.task!r}")
+        if entry.task is not None and runtime.task != entry.task:
+            raise ValueError(f"task {runtime.task!r} differs from the manifest's")
+        generate = self._generator(runtime)
+        self._warm_up(runtime, generate)
+        return runtime, generate
+
+    @staticmethod
+    def _load_error(entry: ModelEntry, error: Exception) -> str:
+        """Log a failed load with its trace; returns its message without the server's paths."""
+        logger.error("model %s failed to load from %s: %s: %s", entry.name, entry.path,
+                     type(error).__name__, error, exc_info=error)
+        return public_error(f"{type(error).__name__}: {error}", entry.path)
 
     @staticmethod
     def _warm_up(runtime: Runtime, generate: GenerateFn) -> None:
@@ -264,6 +356,12 @@ class ModelRegistry:
     ) -> None:
         if self.draining:  # finished loading during shutdown: nothing will be served
             return
+        self._serve(entry, runtime, generate, seconds)
+        if self.ready:
+            logger.info("all %d models ready", len(self._entries))
+
+    def _serve(self, entry: ModelEntry, runtime: Runtime, generate: GenerateFn, seconds: float) -> None:
+        """Give a loaded model its batchers and turn it ready."""
         settings = self.settings
         workers = settings.batch_workers_on(runtime.provider)
         limits = BatchLimits(
@@ -291,8 +389,6 @@ class ModelRegistry:
         metrics.MODEL_LOAD_SECONDS.labels(entry.name).set(seconds)
         logger.info("model %s ready: task %s, provider %s, variant %s, loaded in %.1fs",
                     entry.name, runtime.task, runtime.provider, runtime.variant, seconds)
-        if self.ready:
-            logger.info("all %d models ready", len(self._entries))
 
     def _on_failed(self, entry: ModelEntry, message: str) -> None:
         entry.state = "failed"

@@ -242,6 +242,10 @@ class Settings(BaseSettings):
     workers: int = Field(
         default=1, ge=1, le=64, description="server processes on one socket, restarted if killed"
     )
+    model_control: bool = Field(
+        default=False, description="clients may load, reload and unload models while serving "
+        "(KServe v2's model repository routes; with the API key when one is set; workers=1)",
+    )
 
     @field_validator("providers", "cors_origins", mode="before")
     @classmethod
@@ -300,6 +304,8 @@ class Settings(BaseSettings):
             raise ValueError("max_texts must not exceed max_queue_size")
         if self.metrics_port is not None and self.workers > 1:
             raise ValueError("metrics_port needs workers=1 (each worker has its own metrics)")
+        if self.model_control and self.workers > 1:
+            raise ValueError("model_control needs workers=1 (a load would reach one worker only)")
         if self.grpc_port and self.grpc_port in (self.port, self.metrics_port):
             raise ValueError("grpc_port must differ from port and metrics_port")
         if self.graceful_timeout_s is not None and self.graceful_timeout_s < self.request_timeout_s:

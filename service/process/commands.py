@@ -24,7 +24,7 @@ _SETTING_FLAGS = (
     "graceful_timeout_s", "shutdown_delay_s", "workers", "metrics_port", "cors_origins",
     "fail_on_model_error", "header_timeout_s", "body_timeout_s", "max_connections",
     "max_large_responses", "public_metadata", "access_log", "otlp_endpoint", "otlp_service_name",
-    "grpc_port",
+    "grpc_port", "model_control",
 )
 
 
@@ -137,6 +137,9 @@ def _register_serve(subcommands: argparse._SubParsersAction) -> None:
                    help="send a trace span per request (and its stages) to this OTLP/HTTP collector, "
                    "e.g. http://localhost:4318/v1/traces (needs the otel extra; default: no tracing)")
     p.add_argument("--otlp-service-name", help="the traces' service.name (default attnserve)")
+    p.add_argument("--model-control", action="store_const", const=True,
+                   help="let clients load, reload and unload models while serving (KServe v2's model "
+                   "repository routes, /v2/repository/...; with the API key when one is set; workers=1)")
     p.add_argument("--fail-on-model-error", action="store_const", const=True,
                    help="exit (non-zero status) when a model fails to load, instead of staying "
                    "live and not ready")

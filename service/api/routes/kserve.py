@@ -2,7 +2,11 @@
 
 `GET /v2`, `/v2/health/live`, `/v2/health/ready`, `/v2/models/{name}`,
 `/v2/models/{name}/ready`, `POST /v2/models/{name}/infer` (and the same under
-`/v2/models/{name}/versions/1/...`). Health answers 200 with an empty body when true, as the
+`/v2/models/{name}/versions/1/...`), and the model repository extension:
+`POST /v2/repository/index` (every model folder and model served, with its state), and with
+`model_control` `POST /v2/repository/models/{name}/load` (load, or reload while the version
+served keeps serving: `service.core.registry.ModelRegistry.load`) and `.../unload` (403 while
+`model_control` is off); the three need the API key when one is set. Health answers 200 with an empty body when true, as the
 protocol asks. Errors on these routes have the protocol's body `{"error": "..."}`, with the
 service's statuses except that bad input is a 400 (not 422). Conversion: `service.api.open_inference`.
 """
@@ -20,7 +24,9 @@ from service.api import open_inference
 from service.api.auth import require_api_key_for_metadata
 from service.api.deadline import request_budget_s
 from service.api.errors import ProtocolRoute
+from service.api.media_type import load_json
 from service.api.routes.deps import AuthorizedDep, RegistryDep
+from service.core.errors import InvalidInput
 from service.observability.timing import SERVER_TIMING, RequestTiming
 
 
@@ -136,3 +142,50 @@ async def infer(
         return Response(body, media_type="application/json", headers=headers)
     return Response(body, media_type="application/octet-stream",
                     headers={**headers, open_inference.HEADER_LENGTH: str(header_length)})
+
+
+async def _control_body(request: Request) -> dict[str, Any]:
+    """A repository request's body: empty (tritonclient's index), or a JSON object."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    body = load_json(raw)
+    if not isinstance(body, dict):
+        raise InvalidInput("the request body must be a JSON object")
+    return body
+
+
+def _parameters(body: dict[str, Any]) -> dict[str, Any]:
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidInput("parameters: must be an object")
+    return parameters
+
+
+@router.post("/v2/repository/index", responses=RESPONSES)
+async def repository_index(request: Request, serving: AuthorizedDep) -> list[open_inference.RepositoryModel]:
+    """Every model folder of the models folder and every model served, by name, with its state
+    (`{"ready": true}`: the ready ones only)."""
+    ready_only = (await _control_body(request)).get("ready", False)
+    if not isinstance(ready_only, bool):
+        raise InvalidInput("ready: must be true or false")
+    return open_inference.repository_index(serving.registry, ready_only)
+
+
+@router.post("/v2/repository/models/{name}/load", responses={**RESPONSES, 403: ERROR}, response_class=Response)
+async def repository_load(name: str, request: Request, serving: AuthorizedDep) -> Response:
+    """Load model folder `name`, or reload it from its folder while the version served keeps
+    serving until the new one is ready; 200 once it serves. A load that fails is a 400 with the
+    reason, and the version served (if any) stays."""
+    open_inference.check_model_control(serving.settings, _parameters(await _control_body(request)), unload=False)
+    await serving.registry.load(name)
+    return Response(status_code=200)
+
+
+@router.post("/v2/repository/models/{name}/unload", responses={**RESPONSES, 403: ERROR},
+             response_class=Response)
+async def repository_unload(name: str, request: Request, serving: AuthorizedDep) -> Response:
+    """Stop serving model `name`: requests for it are a 404 from now, its rows in flight finish."""
+    open_inference.check_model_control(serving.settings, _parameters(await _control_body(request)), unload=True)
+    await serving.registry.unload(name)
+    return Response(status_code=200)
