@@ -79,6 +79,12 @@ def protocol_status(error: ServiceError) -> int:
     return 400 if status == 422 else status
 
 
+def protocol_status_of(error_type: str) -> int:
+    """`protocol_status` of a service error known by its `error_type` (500 when unknown)."""
+    status = next((status for cls, status in _STATUS.items() if cls.error_type == error_type), 500)
+    return 400 if status == 422 else status
+
+
 class ProtocolRoute(APIRoute):
     """A route of a protocol that has an error body of its own (`body`; by default the server's)
     and answers bad input with a 400 (`protocol_status`): its service errors, body validation

@@ -4,9 +4,11 @@ same process, on the same event loop, models and batchers.
 
 The service `inference.GRPCInferenceService` answers its core methods: `ServerLive`,
 `ServerReady`, `ModelReady` (false for an unknown model, as a probe expects), `ServerMetadata`,
-`ModelMetadata` and `ModelInfer`, and the model repository's `RepositoryIndex`,
-`RepositoryModelLoad` and `RepositoryModelUnload` (as the REST routes: `model_control`, the key);
-Triton's other additions (streaming, shared memory, statistics) answer UNIMPLEMENTED. gRPC's health checking protocol answers too
+`ModelMetadata` and `ModelInfer`, the model repository's `RepositoryIndex`,
+`RepositoryModelLoad` and `RepositoryModelUnload` (as the REST routes: `model_control`, the key),
+and Triton's streaming `ModelStreamInfer` (token by token with the request parameter `stream`:
+`InferenceService.model_stream_infer`); Triton's other additions (shared memory, statistics)
+answer UNIMPLEMENTED. gRPC's health checking protocol answers too
 (`grpc.health.v1.Health/Check`, for Kubernetes' gRPC probes and load balancers): SERVING while
 the server is ready. The messages: `service.api.grpc_messages`.
 
@@ -39,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,10 +49,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from service.api import grpc_messages as pb
-from service.api import open_inference
+from service.api import open_inference, streaming
 from service.api.auth import check_api_key
 from service.api.deadline import within_budget
-from service.api.errors import protocol_status
+from service.api.errors import protocol_status, protocol_status_of
 from service.api.request_id import CLIENT_GONE, id_from, log_access
 from service.core.errors import InvalidInput, ModelNotFound, Overloaded, ServiceError, shorten
 from service.core.registry import ModelRegistry
@@ -62,6 +64,9 @@ from service.observability.tracing import CallTracer
 logger = logging.getLogger(__name__)
 
 ID_KEY = "x-request-id"
+STREAM_PARAMETER = "stream"  # a ModelStreamInfer request's: answer token by token
+EMPTY_FINAL_PARAMETER = "triton_enable_empty_final_response"  # tritonclient's; the last response is marked anyway
+FINAL_PARAMETER = "triton_final_response"  # on a request's last response
 TIMING_KEY = "server-timing"
 RETRY_KEY = "retry-after"
 
@@ -116,6 +121,8 @@ class InferenceService:
                 response_serializer=pb.message_class(response).SerializeToString)
             for name, (request, response) in pb.METHODS.items()
         }
+        methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer, response_serializer=pb.ModelStreamInferResponse.SerializeToString)
         return grpc.method_handlers_generic_handler(pb.SERVICE, methods)
 
     def health_handler(self) -> grpc.GenericRpcHandler:
@@ -175,17 +182,8 @@ class InferenceService:
         budget_s = within_budget(context.time_remaining(), self.settings)
         values = await open_inference.generate(entry, inference, self.settings, timing, budget_s)
         context.set_trailing_metadata(((TIMING_KEY, timing.header(time.perf_counter())),))
-        response = pb.ModelInferResponse(model_name=entry.name,
-                                         model_version=open_inference.MODEL_VERSION,
-                                         id=inference.id or "")
-        for name in inference.outputs:
-            score = name == open_inference.SCORE
-            response.outputs.add(name=name, shape=inference.shape,
-                                 datatype=open_inference.FP32 if score else open_inference.BYTES)
-            response.raw_output_contents.append(
-                open_inference.serialize_floats(values[name]) if score
-                else open_inference.serialize_bytes(values[name]))
-        return response
+        return _infer_response(entry.name, inference.id or "", {name: values[name] for name in inference.outputs},
+                               inference.shape)
 
     async def repository_index(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
         check_api_key(call.metadata.get("authorization"), self.settings)
@@ -246,13 +244,168 @@ class InferenceService:
                 if span is not None and self.tracer is not None:
                     code = grpc.StatusCode.OK if status == 200 else CODES.get(status, grpc.StatusCode.INTERNAL)
                     self.tracer.end(span, code, identity, call.model, call.timing)
-                log_access({"method": "POST", "path": path, "client": _client(context.peer())},
-                           status, started, identity, call.model or None)
-                metrics.REQUESTS_TOTAL.labels(path, call.model, metrics.status_class(status)).inc()
-                metrics.REQUEST_DURATION_SECONDS.labels(path, call.model).observe(
-                    time.perf_counter() - started)
+                _record(path, context.peer(), status, started, identity, call.model)
 
         return call_method
+
+    async def model_stream_infer(self, requests: AsyncIterator[bytes],
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Triton's `ModelStreamInfer`: each request of the stream answered as it comes, the
+        answers in the order they are ready (matched by their `id`). A request with the
+        parameter `stream: true` (one text) is answered token by token: a response per token
+        whose `output` is the text it adds, then a last one with the rest and `finish_reason`;
+        another request gets one response, `ModelInfer`'s. Every last response of a request has
+        the parameter `triton_final_response: true`. A request that fails gets a response with
+        its `error_message` and the stream goes on; the stream's metadata is checked for the
+        key first (UNAUTHENTICATED). Each request counts as a call of the method (its id, access
+        line, metrics); when the client ends the call, every row of its requests leaves the batch."""
+        path = f"/{pb.SERVICE}/ModelStreamInfer"
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            check_api_key(metadata.get("authorization"), self.settings)
+        except ServiceError as error:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, error.message)
+        answers: asyncio.Queue[Any] = asyncio.Queue()
+        working: set[asyncio.Task[None]] = set()
+        # read once: the requests' tasks may outlive the call (its context is gone then)
+        peer, remaining = context.peer(), context.time_remaining()
+        ends = time.perf_counter() + remaining if remaining is not None else None
+
+        async def read() -> None:
+            async for raw in requests:
+                task = asyncio.ensure_future(self._stream_one(raw, answers, path, peer, ends))
+                working.add(task)
+                task.add_done_callback(working.discard)
+            while working:
+                await asyncio.gather(*list(working), return_exceptions=True)
+            answers.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            await reader
+        finally:
+            for task in (reader, *working):
+                task.cancel()
+
+    async def _stream_one(self, raw: bytes, answers: asyncio.Queue[Any], path: str, peer: str | None,
+                          ends: float | None) -> None:
+        """One request of a `ModelStreamInfer` call (from `peer`, its deadline `ends`, the
+        clock's): its responses put on `answers`."""
+        started = time.perf_counter()
+        status, model, identity = 200, "", id_from(None)
+        token = logs.REQUEST_ID.set(identity)
+        failed = pb.ModelStreamInferResponse()  # an error's response: the request's id and model, once known
+        try:
+            try:
+                request = pb.ModelInferRequest.FromString(raw)
+            except DecodeError:
+                raise InvalidInput("the request is not a ModelInferRequest message") from None
+            failed.infer_response.id, failed.infer_response.model_name = request.id, request.model_name
+            if request.id:
+                identity = id_from(request.id.encode("utf-8", "replace"))
+                logs.REQUEST_ID.set(identity)
+            open_inference.known_model(self.registry, request.model_name, _version(request.model_version))
+            entry = self.registry.resolve(None, request.model_name)
+            model = entry.name
+            document, binary = _document(request)
+            parameters = document["parameters"]
+            streamed = parameters.pop(STREAM_PARAMETER, False)
+            parameters.pop(EMPTY_FINAL_PARAMETER, None)
+            if not isinstance(streamed, bool):
+                raise InvalidInput(f"parameters.{STREAM_PARAMETER}: must be true or false")
+            inference = open_inference.parse_document(document, binary)
+            budget_s = within_budget(ends - time.perf_counter() if ends is not None else None, self.settings)
+            reply = _Replies(entry.name, request.id)
+            if not streamed:
+                timing = RequestTiming(time.perf_counter())
+                values = await open_inference.generate(entry, inference, self.settings, timing, budget_s)
+                answers.put_nowait(reply.whole(inference, values))
+                return
+            if len(inference.texts) != 1:
+                raise InvalidInput(f"parameters.{STREAM_PARAMETER}: one text per streamed request")
+            prepared, deadline = open_inference.prepare(entry, inference, self.settings, budget_s)
+            async for answer in streaming.admit(prepared, self.settings, deadline, False,
+                                                RequestTiming(time.perf_counter()), reply):
+                answers.put_nowait(answer)
+            status = reply.status
+        except ServiceError as error:
+            status = protocol_status(error)
+            failed.error_message = error.message
+            answers.put_nowait(failed)
+        except asyncio.CancelledError:  # the client ended the call: the request's rows leave the batch
+            status = CLIENT_GONE
+            if model:
+                metrics.REJECTED_TOTAL.labels(model, "disconnected").inc()
+            raise
+        except Exception as error:
+            logger.error("unhandled error on %s", path, exc_info=error)
+            status = 500
+            failed.error_message = "internal error"
+            answers.put_nowait(failed)
+        finally:
+            logs.REQUEST_ID.reset(token)
+            _record(path, peer, status, started, identity, model)
+
+
+class _Replies:
+    """A request's `ModelStreamInfer` responses: written from a streamed row's events
+    (`service.api.streaming.EventWriter`), or from a whole answer; `status` is what the access
+    line and the metrics count."""
+
+    def __init__(self, model: str, identity: str) -> None:
+        self.model, self.identity = model, identity
+        self.status = 200
+
+    def _response(self, values: dict[str, list[Any]], shape: list[int], final: bool) -> Any:
+        response = _infer_response(self.model, self.identity, values, shape)
+        if final:
+            response.parameters[FINAL_PARAMETER].bool_param = True
+        return pb.ModelStreamInferResponse(infer_response=response)
+
+    def whole(self, inference: open_inference.Inference, values: dict[str, list[Any]]) -> Any:
+        """`ModelInfer`'s answer, as the request's one (and last) response."""
+        return self._response({name: values[name] for name in inference.outputs}, inference.shape, final=True)
+
+    def opening(self) -> None:
+        return None
+
+    def token(self, data: dict[str, Any]) -> Any:
+        return self._response({"output": [data["delta"]]}, [1], final=False) if data["delta"] else None
+
+    def final(self, data: dict[str, Any]) -> Any:
+        output = data["output"]
+        values: dict[str, list[Any]] = {"output": [data["delta"]], "finish_reason": [output["finish_reason"]]}
+        if "score" in output:
+            values[open_inference.SCORE] = [output["score"]]
+        return self._response(values, [1], final=True)
+
+    def error(self, message: str, error_type: str) -> Any:
+        self.status = protocol_status_of(error_type)
+        failed = pb.ModelStreamInferResponse(error_message=message)
+        failed.infer_response.id, failed.infer_response.model_name = self.identity, self.model
+        return failed
+
+
+def _infer_response(model: str, identity: str, values: dict[str, list[Any]], shape: list[int]) -> Any:
+    """A `ModelInferResponse` of these outputs (each of `shape`), in `raw_output_contents`, as
+    Triton sends them."""
+    response = pb.ModelInferResponse(model_name=model, model_version=open_inference.MODEL_VERSION, id=identity)
+    for name, elements in values.items():
+        score = name == open_inference.SCORE
+        response.outputs.add(name=name, shape=shape, datatype=open_inference.FP32 if score else open_inference.BYTES)
+        response.raw_output_contents.append(
+            open_inference.serialize_floats(elements) if score else open_inference.serialize_bytes(elements))
+    return response
+
+
+def _record(path: str, peer: str | None, status: int, started: float, identity: str, model: str) -> None:
+    """A call's (or a streamed request's) access line and metrics."""
+    log_access({"method": "POST", "path": path, "client": _client(peer)},
+               status, started, identity, model or None)
+    metrics.REQUESTS_TOTAL.labels(path, model, metrics.status_class(status)).inc()
+    metrics.REQUEST_DURATION_SECONDS.labels(path, model).observe(time.perf_counter() - started)
 
 
 def _version(version: str) -> str:

@@ -6,7 +6,8 @@ Names and field numbers are the protocol's (`grpc_predict_v2.proto`, which Trito
 each other's bytes; the messages live in a pool of their own, beside any generated copy a
 client library registers in protobuf's default pool. Only the core methods' messages are here
 (`METHODS`): health, metadata, `ModelInfer`, and the model repository's (Triton's index, load
-and unload); and gRPC's own health checking protocol (`grpc.health.v1.Health/Check`).
+and unload); Triton's streaming `ModelStreamInfer` (`STREAM_METHODS`); and gRPC's own health
+checking protocol (`grpc.health.v1.Health/Check`).
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ _MESSAGES: dict[str, tuple[list[Field], dict[str, Any]]] = {
         _one("repository_name", 1, _STRING), _one("model_name", 2, _STRING), _parameters(3),
     ], {}),
     "RepositoryModelUnloadResponse": ([], {}),
+    "ModelStreamInferResponse": ([
+        _one("error_message", 1, _STRING), _one("infer_response", 2, _MESSAGE, "ModelInferResponse"),
+    ], {}),
     "ModelInferResponse": ([
         _one("model_name", 1, _STRING), _one("model_version", 2, _STRING), _one("id", 3, _STRING),
         _parameters(4), _many("outputs", 5, _MESSAGE, "InferOutputTensor"),
@@ -116,6 +120,9 @@ METHODS: dict[str, tuple[str, str]] = {
     for name in ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
                  "ModelInfer", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
 }
+# Triton's streaming inference (its decoupled models'): a stream of requests each answered by one
+# or more responses, on one bidirectional call.
+STREAM_METHODS: dict[str, tuple[str, str]] = {"ModelStreamInfer": ("ModelInferRequest", "ModelStreamInferResponse")}
 _ONE_OF = ("InferParameter", "ModelRepositoryParameter")  # each field in the oneof `parameter_choice`
 _REPOSITORY_PARAMETERS = ("RepositoryModelLoadRequest", "RepositoryModelUnloadRequest")
 
@@ -159,6 +166,9 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
     for method, (request, response) in METHODS.items():
         service.method.add(name=method, input_type=f".{PACKAGE}.{request}",
                            output_type=f".{PACKAGE}.{response}")
+    for method, (request, response) in STREAM_METHODS.items():
+        service.method.add(name=method, input_type=f".{PACKAGE}.{request}",
+                           output_type=f".{PACKAGE}.{response}", client_streaming=True, server_streaming=True)
     return proto
 
 
@@ -192,7 +202,7 @@ FILE = POOL.AddSerializedFile(_file().SerializeToString())
 HEALTH_FILE = POOL.AddSerializedFile(_health_file().SerializeToString())
 HEALTH_PATH = f"/{HEALTH_SERVICE}/Check"
 # Each method's path: the `route` label of its calls in the metrics.
-PATHS = (*(f"/{SERVICE}/{name}" for name in METHODS), HEALTH_PATH)
+PATHS = (*(f"/{SERVICE}/{name}" for name in (*METHODS, *STREAM_METHODS)), HEALTH_PATH)
 
 
 def message_class(name: str, package: str = PACKAGE) -> Any:
@@ -212,6 +222,7 @@ ModelMetadataRequest = message_class("ModelMetadataRequest")
 ModelMetadataResponse = message_class("ModelMetadataResponse")
 ModelInferRequest = message_class("ModelInferRequest")
 ModelInferResponse = message_class("ModelInferResponse")
+ModelStreamInferResponse = message_class("ModelStreamInferResponse")
 InferParameter = message_class("InferParameter")
 RepositoryIndexResponse = message_class("RepositoryIndexResponse")
 RepositoryModelLoadResponse = message_class("RepositoryModelLoadResponse")

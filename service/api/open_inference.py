@@ -432,13 +432,10 @@ def response_body(
 # ---------------------------------------------------------------- inference
 
 
-async def generate(
-    entry: ModelEntry, inference: Inference, settings: Settings, timing: RequestTiming,
-    budget_s: float, request: Request | None = None,
-) -> dict[str, list[Any]]:
-    """Every text of `inference` through the model's batcher (`service.api.pipeline`), within
-    `budget_s` of its preparation (with `request`, dropped once its HTTP client goes away);
-    each output's elements, by name (`score` with `return_scores`). The same over REST and gRPC."""
+def prepare(entry: ModelEntry, inference: Inference, settings: Settings,
+            budget_s: float) -> tuple[pipeline.Prepared, Deadline]:
+    """`inference`'s texts checked and tokenized for the model (`service.api.pipeline`), with
+    their decoding options, and their deadline, `budget_s` from now."""
     where = [f"inputs.{INPUT}[{i}]" for i in range(len(inference.texts))]
     prepared = pipeline.prepare(entry, inference.texts, inference.beam_size,
                                 inference.max_new_tokens, settings, where, truncate=inference.truncate,
@@ -448,11 +445,21 @@ async def generate(
                              prepared.max_new_tokens, return_scores=inference.return_scores,
                              target_prefix=inference.target_prefix, where="parameters.target_prefix")
     prepared = dataclasses.replace(prepared, options=options)
-    deadline = Deadline(at=prepared.started + budget_s, budget_s=budget_s)
+    return prepared, Deadline(at=prepared.started + budget_s, budget_s=budget_s)
+
+
+async def generate(
+    entry: ModelEntry, inference: Inference, settings: Settings, timing: RequestTiming,
+    budget_s: float, request: Request | None = None,
+) -> dict[str, list[Any]]:
+    """Every text of `inference` through the model's batcher (`service.api.pipeline`), within
+    `budget_s` of its preparation (with `request`, dropped once its HTTP client goes away);
+    each output's elements, by name (`score` with `return_scores`). The same over REST and gRPC."""
+    prepared, deadline = prepare(entry, inference, settings, budget_s)
     results = await pipeline.generate(prepared, settings, deadline, request, timing)
     outputs = pipeline.outputs(prepared, results)
     values: dict[str, list[Any]] = {"output": [o.text for o in outputs],
                                     "finish_reason": [o.finish_reason for o in outputs]}
     if inference.return_scores:  # one row per text (`whole_texts`)
-        values[SCORE] = [options.extras(prepared.runtime, r).get("score", math.nan) for r in results]
+        values[SCORE] = [prepared.options.extras(prepared.runtime, r).get("score", math.nan) for r in results]
     return values

@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive
@@ -60,6 +60,23 @@ HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def event(data: dict[str, Any]) -> bytes:
     """One SSE event carrying `data` as JSON."""
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class EventWriter(Protocol[T_co]):
+    """What a stream is written as, from its events' data: whatever opens it, each token, the
+    end (or an error after it started); an empty write (b"", None) sends nothing."""
+
+    def opening(self) -> T_co | None: ...
+
+    def token(self, data: dict[str, Any]) -> T_co | None: ...
+
+    def final(self, data: dict[str, Any]) -> T_co: ...
+
+    def error(self, message: str, error_type: str) -> T_co: ...
 
 
 class Events:
@@ -93,6 +110,18 @@ def stream(
     the route keeps the text whole), the final event's output has its word alignment; with
     `timing`, the final event has the request's stages; written by `events` (default the
     server's own)."""
+    body = admit(prepared, settings, deadline, alignment, timing, events or Events(), receive)
+    return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
+
+
+def admit(
+    prepared: Prepared, settings: Settings, deadline: Deadline | None, alignment: bool,
+    timing: RequestTiming | None, events: EventWriter[T], receive: Receive | None = None,
+) -> AsyncIterator[T]:
+    """`stream`'s work for any transport: the rows admitted now, then an iterator of what
+    `events` writes of them (its empty writes left out); with `receive`, it ends once the HTTP
+    client has gone (without, when the iterator is closed or its task cancelled); either way
+    the rows leave the batch."""
     batcher = prepared.entry.batcher
     assert batcher is not None and len(prepared.texts) == 1
     loop = asyncio.get_running_loop()
@@ -104,9 +133,8 @@ def stream(
         deadline=deadline.at if deadline is not None else None, timing=timing,
     )
     budget_s = deadline.budget_s if deadline is not None else settings.request_timeout_s
-    body = _events(prepared, list(zip(futures, queues, strict=True)), receive, budget_s,
-                   settings if alignment else None, timing, events or Events())
-    return StreamingResponse(body, media_type=MEDIA_TYPE, headers=HEADERS)
+    return _events(prepared, list(zip(futures, queues, strict=True)), receive, budget_s,
+                   settings if alignment else None, timing, events)
 
 
 def _threadsafe_put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[int]) -> Callable[[int], None]:
@@ -154,22 +182,22 @@ class _Text:
 async def _events(
     prepared: Prepared,
     rows: list[tuple[asyncio.Future[Generated], asyncio.Queue[int]]],
-    receive: Receive,
+    receive: Receive | None,
     budget_s: float,
-    align_settings: Settings | None = None,
-    timing: RequestTiming | None = None,
-    events: Events | None = None,
-) -> AsyncIterator[bytes]:
+    align_settings: Settings | None,
+    timing: RequestTiming | None,
+    events: EventWriter[T],
+) -> AsyncIterator[T]:
     """The events of one streamed row, written by `events`; with `align_settings`, the final
     output aligned; with `timing`, the request's stages in the final event."""
     entry = prepared.entry
     batcher = entry.batcher
     assert batcher is not None
     text = _Text(prepared)
-    gone = asyncio.ensure_future(_disconnected(receive))
+    # the HTTP client's leaving; another transport's ends the stream by cancelling it
+    gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else _never()
     next_token: asyncio.Future[int] | None = None
     results: list[Generated] = []
-    events = events or Events()
     try:
         opening = events.opening()
         if opening:
@@ -236,6 +264,11 @@ async def _events(
             next_token.cancel()
         for future, _ in rows:
             batcher.cancel(future)  # nothing when the row finished; else it leaves the batch
+
+
+def _never() -> asyncio.Future[Any]:
+    """A future of the running loop that nothing completes."""
+    return asyncio.get_running_loop().create_future()
 
 
 async def _disconnected(receive: Receive) -> None:

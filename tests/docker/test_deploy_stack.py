@@ -342,6 +342,18 @@ def test_open_inference_protocol_through_the_published_port(stack: Stack) -> Non
     assert "pacchetto" in outputs["output"][0].lower(), outputs
 
 
+def test_openai_and_libretranslate_apis_through_the_published_port(stack: Stack) -> None:
+    """The container's OpenAI and LibreTranslate routes give `/v1/translate`'s translation."""
+    with httpx.Client(base_url=stack.attnserve, timeout=60) as client:
+        expected = client.post("/v1/translate", json={"text": SENTENCES[0]}).json()["outputs"][0]["text"]
+        chat = client.post("/v1/chat/completions", json={
+            "model": "translate-en-it", "messages": [{"role": "user", "content": SENTENCES[0]}]})
+        libre = client.post("/translate", json={"q": SENTENCES[0], "source": "en", "target": "it"})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == expected
+    assert libre.status_code == 200 and libre.json() == {"translatedText": expected}, libre.text
+
+
 def test_grpc_through_the_published_port(stack: Stack) -> None:
     """KServe v2 over gRPC (the image's --grpc-port 8001) with the stock client: the REST
     route's output for the same sentence."""

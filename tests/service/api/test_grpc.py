@@ -417,6 +417,103 @@ async def test_a_cancelled_call_leaves_the_queue(make_app: AppFactory,
     assert rejected("translate-en-it", "disconnected") == before + 1
 
 
+def stream_answers(client: Any, sends: list[dict[str, Any]], finals: int) -> list[tuple[Any, Any]]:
+    """tritonclient's stream: each of `sends` (`async_stream_infer`'s arguments) sent, then the
+    (result, error) of every answer until `finals` requests had their last."""
+    import queue
+
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    for send in sends:
+        client.async_stream_infer(**send)
+    got: list[tuple[Any, Any]] = []
+    while finals:
+        result, error = answers.get(timeout=30)
+        got.append((result, error))
+        if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+            finals -= 1
+    client.stop_stream()
+    return got
+
+
+def test_a_stream_answers_token_by_token_or_whole(triton: Any, tiny_server: tuple[str, int]) -> None:
+    expected = v1_outputs(tiny_server[0])
+    got = stream_answers(triton, [
+        {"model_name": MODEL, "inputs": [texts_input([TEXTS[0]])], "request_id": "tokens",
+         "parameters": {"stream": True}},
+        {"model_name": MODEL, "inputs": [texts_input()], "request_id": "whole", "enable_empty_final_response": True},
+        {"model_name": "nope", "inputs": [texts_input()], "request_id": "unknown"},
+        {"model_name": MODEL, "inputs": [texts_input(TEXTS[:2])], "request_id": "two", "parameters": {"stream": True}},
+    ], finals=4)
+    errors = sorted(str(error.message()) for _, error in got if error is not None)
+    assert errors == ["no model 'nope' on this server", "parameters.stream: one text per streamed request"]
+    answered = [result.get_response() for result, error in got if error is None]
+    tokens = [r for r in answered if r.id == "tokens"]
+    assert len(tokens) > 2 and [r.parameters["triton_final_response"].bool_param for r in tokens] == \
+        [False] * (len(tokens) - 1) + [True]
+    deltas = [as_texts_of(r, "output")[0] for r in tokens]
+    assert "".join(deltas) == expected[0]["text"] and all(deltas[:-1])
+    assert as_texts_of(tokens[-1], "finish_reason") == [expected[0]["finish_reason"]]
+    [whole] = [r for r in answered if r.id == "whole"]
+    assert as_texts_of(whole, "output") == [o["text"] for o in expected]
+    assert as_texts_of(whole, "finish_reason") == [o["finish_reason"] for o in expected]
+
+
+def as_texts_of(response: Any, name: str) -> list[str]:
+    """The BYTES output `name` of a `ModelInferResponse` (raw contents)."""
+    index = [tensor.name for tensor in response.outputs].index(name)
+    raw, texts = response.raw_output_contents[index], []
+    while raw:
+        length = int.from_bytes(raw[:4], "little")
+        texts.append(raw[4:4 + length].decode())
+        raw = raw[4 + length:]
+    return texts
+
+
+async def requests_of(requests: list[Any], keep_open: bool = False) -> Any:
+    """A stream's requests, then (`keep_open`) no end: the client ends the call itself."""
+    for request in requests:
+        yield request
+    if keep_open:
+        await asyncio.Event().wait()
+
+
+@pytest.mark.anyio
+async def test_a_stream_the_client_ends_frees_its_rows(make_app: AppFactory, fake_model: FakeModel) -> None:
+    """A queued request and a streamed one leave the queue when the client cancels the call
+    (their tasks outlive the call, and touch nothing of it)."""
+    fake_model.delay_s = 0.4
+    before = rejected("translate-en-it", "disconnected")
+    async with channel(make_app(grpc_port=0, max_batch_size=1)) as chan:
+        first = asyncio.ensure_future(method(chan, "ModelInfer")(infer_request(["ab"])))
+        await asyncio.sleep(0.05)
+        stream = chan.stream_stream(f"/{pb.SERVICE}/ModelStreamInfer",
+                                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                                    response_deserializer=pb.ModelStreamInferResponse.FromString)
+        call = stream(requests_of([infer_request(["cd"]), infer_request(["ef"], stream=True)], keep_open=True))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        await first
+        await asyncio.sleep(0.5)
+    assert "ab" in fake_model.seen and "cd" not in fake_model.seen and "ef" not in fake_model.seen
+    assert rejected("translate-en-it", "disconnected") == before + 2
+
+
+@pytest.mark.anyio
+async def test_a_stream_needs_the_key(make_app: AppFactory) -> None:
+    async with channel(make_app(grpc_port=0, api_key="s3cret")) as chan:
+        stream = chan.stream_stream(f"/{pb.SERVICE}/ModelStreamInfer",
+                                    request_serializer=pb.ModelInferRequest.SerializeToString,
+                                    response_deserializer=pb.ModelStreamInferResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as keyless:
+            [answer async for answer in stream(requests_of([infer_request(["ab"])]))]
+        keyed = [answer async for answer in stream(requests_of([infer_request(["ab"])]),
+                                                  metadata=(("authorization", "Bearer s3cret"),))]
+    assert keyless.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    [answer] = keyed
+    assert not answer.error_message and answer.infer_response.parameters["triton_final_response"].bool_param
+
+
 def test_serve_without_the_extra_refuses_a_grpc_port_in_one_line(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from attnserve import cli
