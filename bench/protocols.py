@@ -1,6 +1,7 @@
-"""The same sentences through the server's three protocols, in alternating turns: `/v1/translate`
-(JSON), KServe v2 over REST (`/v2/models/<name>/infer`, JSON tensors) and KServe v2 over gRPC
-(`ModelInfer`, raw tensor contents, as `tritonclient[grpc]` sends them).
+"""The same sentences through the server's protocols, in alternating turns: `/v1/translate`
+(JSON), KServe v2 over REST (`/v2/models/<name>/infer`, JSON tensors), KServe v2 over gRPC
+(`ModelInfer`, raw tensor contents, as `tritonclient[grpc]` sends them) and OpenAI's chat
+completions (`/v1/chat/completions`).
 
 One server (`attnserve serve` with `--grpc-port`, the defaults otherwise) answers every arm; a
 closed loop of `--concurrency` clients sends one sentence per request, each arm in turn (the
@@ -37,13 +38,18 @@ from service.api import open_inference
 logger = logging.getLogger(__name__)
 
 MODEL = "translate-en-it"
-ARMS = ("v1 JSON", "KServe v2 REST", "KServe v2 gRPC")
+ARMS = ("v1 JSON", "KServe v2 REST", "KServe v2 gRPC", "OpenAI chat")
 
 
 def infer_body(text: str) -> dict[str, Any]:
     """The REST infer request of one sentence (JSON tensor data)."""
     return {"inputs": [{"name": open_inference.INPUT, "shape": [1], "datatype": "BYTES",
                         "data": [text]}]}
+
+
+def chat_body(text: str, model: str = MODEL) -> dict[str, Any]:
+    """OpenAI's chat completion request of one sentence."""
+    return {"model": model, "messages": [{"role": "user", "content": text}]}
 
 
 def infer_message(text: str, model: str = MODEL) -> bytes:
@@ -93,6 +99,9 @@ def run_arm(arm: str, base_url: str, grpc_target: str, texts: Sequence[str],
         return asyncio.run(grpc_closed_loop(grpc_target, texts, concurrency, model))
     if arm == "KServe v2 REST":
         url, bodies = f"{base_url}/v2/models/{model}/infer", [infer_body(t) for t in texts]
+    elif arm == "OpenAI chat":
+        bodies = [chat_body(t, model) for t in texts]
+        return asyncio.run(load.closed_loop(f"{base_url}/v1/chat/completions", bodies, concurrency, outputs=False))
     else:
         url, bodies = f"{base_url}/v1/translate", load.text_bodies(texts, model=model)
     return asyncio.run(load.closed_loop(url, bodies, concurrency))

@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from service.api import streaming
 from service.api.errors import ProtocolRoute, describe_validation_errors
-from service.api.routes.deps import JsonInferenceDep
+from service.api.routes.deps import JsonInferenceDep, Serving
 from service.api.routes.generate import generate_texts
 from service.api.schemas import MAX_BEAM_SIZE, MAX_TEXTS, GenerateRequest, GenerateResponse
 from service.core.errors import InvalidInput
@@ -215,10 +215,9 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     _check_stream(body, len(prompts))
     beams = max(body.n, body.best_of or 1)
     identity, created = f"cmpl-{_request_id(request)}", int(time.time())
-    answer = await generate_texts(
-        None, _generate(prompts, body.model, beams, body.n, body.max_tokens, body.stream, ("prompt",)), request, response,
-        serving.registry, serving.settings,
-        _Chunks("text_completion", identity, created, body.model, _include_usage(body)),
+    answer = await _answer(
+        _generate(prompts, body.model, beams, body.n, body.max_tokens, body.stream, ("prompt",)), request, response,
+        serving, _Chunks("text_completion", identity, created, body.model, _include_usage(body)),
     )
     if isinstance(answer, Response):
         return answer
@@ -244,11 +243,10 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     _check_stream(body, 1)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     identity, created = f"chatcmpl-{_request_id(request)}", int(time.time())
-    answer = await generate_texts(
-        None, _generate([source], body.model, body.n, body.n, limit, body.stream,
-                        ("messages", len(body.messages) - 1, "content")), request, response,
-        serving.registry, serving.settings,
-        _Chunks("chat.completion.chunk", identity, created, body.model, _include_usage(body)),
+    answer = await _answer(
+        _generate([source], body.model, body.n, body.n, limit, body.stream,
+                  ("messages", len(body.messages) - 1, "content")), request, response,
+        serving, _Chunks("chat.completion.chunk", identity, created, body.model, _include_usage(body)),
     )
     if isinstance(answer, Response):
         return answer
@@ -257,6 +255,18 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
                for j, (text, reason) in enumerate(texts)]
     return ChatResponse(id=identity, created=created, model=answer.model, choices=choices,
                         usage=_usage(answer, body.n))
+
+
+async def _answer(body: GenerateRequest, request: Request, response: Response, serving: Serving,
+                  chunks: _Chunks) -> GenerateResponse | Response:
+    """`/v1/translate`'s work for `body` (a stream written as `chunks`); its token limit's
+    refusal names OpenAI's field."""
+    try:
+        return await generate_texts(None, body, request, response, serving.registry, serving.settings, chunks)
+    except InvalidInput as error:
+        if error.message.startswith("max_new_tokens:"):
+            raise InvalidInput("max_tokens:" + error.message.removeprefix("max_new_tokens:")) from None
+        raise
 
 
 def _request_id(request: Request) -> str:

@@ -59,6 +59,9 @@ def test_completions_are_v1s_outputs(tiny_url: str) -> None:
     [choice] = single.choices
     assert choice.finish_reason == "length" and single.usage.completion_tokens == 1
     assert choice.text == v1(tiny_url, [TEXTS[1]], max_new_tokens=1)["outputs"][0]["text"]
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client(tiny_url).completions.create(model=MODEL, prompt=TEXTS[1], max_tokens=4000)
+    assert too_many.value.body["message"].startswith("max_tokens: at most")
 
 
 def test_n_best_choices_are_the_beams_hypotheses(tiny_url: str) -> None:
