@@ -6,8 +6,8 @@
 `POST /v2/repository/index` (every model folder and model served, with its state), and with
 `model_control` `POST /v2/repository/models/{name}/load` (load, or reload while the version
 served keeps serving: `service.core.registry.ModelRegistry.load`) and `.../unload` (403 while
-`model_control` is off); the three need the API key when one is set. Health answers 200 with an empty body when true, as the
-protocol asks. Errors on these routes have the protocol's body `{"error": "..."}`, with the
+`model_control` is off); the three need the API key when one is set. Health answers 200 with
+an empty body when true, as the protocol asks. Errors on these routes have the protocol's body `{"error": "..."}`, with the
 service's statuses except that bad input is a 400 (not 422). Conversion: `service.api.open_inference`.
 """
 
