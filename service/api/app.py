@@ -129,6 +129,7 @@ def create_app(
             yield {SHED_STATE: shedder}  # the server's protocol sheds with it (service.api.shed)
         finally:
             if grpc_server is not None:  # new calls refused; those in flight finish first
+                registry.begin_draining()  # health watches end
                 await grpc_server.stop(settings.drain_timeout_s)
             await registry.close(settings.drain_timeout_s)
             if tracer_provider is not None:

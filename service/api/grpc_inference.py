@@ -9,8 +9,9 @@ The service `inference.GRPCInferenceService` answers its core methods: `ServerLi
 and Triton's streaming `ModelStreamInfer` (token by token with the request parameter `stream`:
 `InferenceService.model_stream_infer`); Triton's other additions (shared memory, statistics)
 answer UNIMPLEMENTED. gRPC's health checking protocol answers too
-(`grpc.health.v1.Health/Check`, for Kubernetes' gRPC probes and load balancers): SERVING while
-the server is ready. The messages: `service.api.grpc_messages`.
+(`grpc.health.v1.Health`: `Check`, for Kubernetes' gRPC probes and load balancers, and `Watch`,
+for gRPC clients' own health checking): SERVING while the server is ready. The messages:
+`service.api.grpc_messages`.
 
 `ModelInfer` is the REST infer route's work (`service.api.open_inference`): the BYTES input
 `text` from `raw_input_contents` (each element a 4-byte little-endian length, then its bytes,
@@ -64,6 +65,7 @@ from service.observability.tracing import CallTracer
 logger = logging.getLogger(__name__)
 
 ID_KEY = "x-request-id"
+WATCH_INTERVAL_S = 0.1  # how often a health `Watch` looks at readiness
 STREAM_PARAMETER = "stream"  # a ModelStreamInfer request's: answer token by token
 EMPTY_FINAL_PARAMETER = "triton_enable_empty_final_response"  # tritonclient's; the last response is marked anyway
 FINAL_PARAMETER = "triton_final_response"  # on a request's last response
@@ -126,11 +128,34 @@ class InferenceService:
         return grpc.method_handlers_generic_handler(pb.SERVICE, methods)
 
     def health_handler(self) -> grpc.GenericRpcHandler:
-        """gRPC's health checking service (`grpc.health.v1.Health/Check`; `Watch` is not served)."""
+        """gRPC's health checking service (`grpc.health.v1.Health`: `Check` and `Watch`)."""
         check = grpc.unary_unary_rpc_method_handler(
             self._call(pb.HEALTH_PATH, pb.HealthCheckRequest, self.health_check),
             response_serializer=pb.HealthCheckResponse.SerializeToString)
-        return grpc.method_handlers_generic_handler(pb.HEALTH_SERVICE, {"Check": check})
+        watch = grpc.unary_stream_rpc_method_handler(
+            self.health_watch, request_deserializer=pb.HealthCheckRequest.FromString,
+            response_serializer=pb.HealthCheckResponse.SerializeToString)
+        return grpc.method_handlers_generic_handler(pb.HEALTH_SERVICE, {"Check": check, "Watch": watch})
+
+    async def health_watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """`Watch`, what gRPC clients' own health checking calls: the status `Check` gives now,
+        then each change of it (looked at every `WATCH_INTERVAL_S`). Once the server drains
+        it sends NOT_SERVING and ends the call, so that a shutdown does not wait for it. An
+        unknown service gets SERVICE_UNKNOWN and the call stays open, as the protocol asks."""
+        if request.service not in ("", pb.SERVICE):
+            yield pb.HealthCheckResponse(status=pb.SERVING_STATUSES.index("SERVICE_UNKNOWN"))
+            while not self.registry.draining:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+            return
+        sent = None
+        while True:
+            status = "SERVING" if self.registry.ready else "NOT_SERVING"
+            if status != sent:
+                yield pb.HealthCheckResponse(status=pb.SERVING_STATUSES.index(status))
+                sent = status
+            if self.registry.draining:
+                return
+            await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def health_check(self, request: Any, context: grpc.aio.ServicerContext, call: Call) -> Any:
         """SERVING while the server is ready (`/health/ready`), NOT_SERVING while it loads or

@@ -178,8 +178,8 @@ SERVING_STATUSES = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
 
 
 def _health_file() -> descriptor_pb2.FileDescriptorProto:
-    """gRPC's health checking protocol (`grpc.health.v1`), its `Check` method: what Kubernetes'
-    gRPC probes, grpc_health_probe and load balancers call."""
+    """gRPC's health checking protocol (`grpc.health.v1`): `Check`, what Kubernetes' gRPC probes
+    and grpc_health_probe call, and `Watch`, what gRPC clients' own health checking calls."""
     package = HEALTH_PACKAGE
     proto = descriptor_pb2.FileDescriptorProto(name="attnserve/health.proto", package=package,
                                                syntax="proto3")
@@ -191,9 +191,11 @@ def _health_file() -> descriptor_pb2.FileDescriptorProto:
         status.value.add(name=name, number=number)
     response.field.append(_FIELD(name="status", number=1, type=_FIELD.TYPE_ENUM, label=_FIELD.LABEL_OPTIONAL,
                                  type_name=f".{package}.HealthCheckResponse.ServingStatus"))
-    proto.service.add(name="Health").method.add(
-        name="Check", input_type=f".{package}.HealthCheckRequest",
-        output_type=f".{package}.HealthCheckResponse")
+    health = proto.service.add(name="Health")
+    health.method.add(name="Check", input_type=f".{package}.HealthCheckRequest",
+                      output_type=f".{package}.HealthCheckResponse")
+    health.method.add(name="Watch", input_type=f".{package}.HealthCheckRequest",
+                      output_type=f".{package}.HealthCheckResponse", server_streaming=True)
     return proto
 
 

@@ -358,6 +358,35 @@ async def test_grpc_health_checks_follow_readiness(make_app: AppFactory) -> None
 
 
 @pytest.mark.anyio
+async def test_a_health_watch_follows_readiness_and_ends_with_the_drain(make_app: AppFactory) -> None:
+    """`Watch`: NOT_SERVING while loading, SERVING once ready, NOT_SERVING when draining, then
+    the call ends; an unknown service gets SERVICE_UNKNOWN (3), its call left open."""
+    from tests.service.fakes import FakeLoader
+
+    loader = FakeLoader()
+    loader.release.clear()  # models stay loading
+    app = make_app(loader=loader, grpc_port=0)
+    async with serving(app, wait_ready=False), \
+            grpc.aio.insecure_channel(f"127.0.0.1:{app.state.grpc_port}") as chan:
+        watch = chan.unary_stream("/grpc.health.v1.Health/Watch",
+                                  request_serializer=pb.HealthCheckRequest.SerializeToString,
+                                  response_deserializer=pb.HealthCheckResponse.FromString)
+        server = watch(pb.HealthCheckRequest())
+        unknown = watch(pb.HealthCheckRequest(service="other.Service"))
+        statuses = [(await server.read()).status]
+        loader.release.set()
+        statuses.append((await server.read()).status)
+        app.state.registry.begin_draining()
+        statuses.append((await server.read()).status)
+        ended = await server.read()
+        first_unknown = (await unknown.read()).status
+        unknown.cancel()
+    assert [pb.SERVING_STATUSES[s] for s in statuses] == ["NOT_SERVING", "SERVING", "NOT_SERVING"]
+    assert ended is grpc.aio.EOF and await server.code() == grpc.StatusCode.OK
+    assert pb.SERVING_STATUSES[first_unknown] == "SERVICE_UNKNOWN"
+
+
+@pytest.mark.anyio
 async def test_a_full_queue_is_resource_exhausted_with_retry_after(
     make_app: AppFactory, fake_model: FakeModel
 ) -> None:
