@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -101,3 +101,14 @@ def served_tiny_models(tiny_model_repository: Path, tmp_path_factory: pytest.Tem
     root = tmp_path_factory.mktemp("served-models")
     shutil.copytree(tiny_model_repository, root / tiny_model_repository.name)
     return root
+
+
+@pytest.fixture(scope="module")
+def tiny_url(served_tiny_models: Path) -> Iterator[str]:
+    """The real app over the tiny model (batches wait at most 20 ms), on a loopback port, for a
+    test module's protocol tests."""
+    from tests.service.live_server import serve, wait_until_ready
+
+    with serve(create_app(tiny_settings(served_tiny_models, max_wait_ms=20))) as url:
+        wait_until_ready(url)
+        yield url

@@ -162,7 +162,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
 
 
 class CompletionResponse(BaseModel):
@@ -183,7 +183,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
 
 
 class ChatResponse(BaseModel):

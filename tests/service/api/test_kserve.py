@@ -7,7 +7,6 @@ import asyncio
 import json
 import struct
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,24 +14,15 @@ import numpy as np
 import pytest
 
 from service.api import open_inference
-from service.api.app import create_app
 from service.core.errors import InvalidInput
-from tests.service.conftest import AppFactory, serving, tiny_settings
+from tests.service.conftest import AppFactory, serving
 from tests.service.fakes import FakeLoader, FakeModel
-from tests.service.live_server import serve, wait_until_ready
 
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException
 
 MODEL = "tiny-reverse"
 TEXTS = ["abc de", "kol", "a b c", "mn o"]
-
-
-@pytest.fixture(scope="module")
-def tiny_url(served_tiny_models: Path) -> Iterator[str]:
-    with serve(create_app(tiny_settings(served_tiny_models, max_wait_ms=20))) as url:
-        wait_until_ready(url)
-        yield url
 
 
 @pytest.fixture

@@ -5,28 +5,19 @@ outputs, and every refusal a 4xx with the error body (fake models)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from service.api.app import create_app
 from service.observability import metrics
-from tests.service.conftest import AppFactory, serving, tiny_settings
+from tests.service.conftest import AppFactory, serving
 from tests.service.fakes import write_models
 from tests.service.live_server import serve, wait_until_ready
 
 MODEL = "tiny-reverse"  # translates "en" into "en": it reverses its input's pieces
 TEXTS = ["abc de", "kol", "a b c"]
-
-
-@pytest.fixture(scope="module")
-def tiny_url(served_tiny_models: Path) -> Iterator[str]:
-    with serve(create_app(tiny_settings(served_tiny_models, max_wait_ms=20))) as url:
-        wait_until_ready(url)
-        yield url
 
 
 def post(url: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -60,6 +60,12 @@ def translate(url: str, model: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/translate", json={"texts": TEXTS, "model": model}, timeout=30, trust_env=False)
 
 
+def model_info(url: str) -> list[str]:
+    """The `attnserve_model_info` samples of the server's metrics."""
+    exposition = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    return [line for line in exposition.splitlines() if line.startswith("attnserve_model_info{")]
+
+
 def test_a_new_folder_is_loaded_and_unloaded(control_url: str, models_folder: Path) -> None:
     client = triton(control_url)
     assert client.get_model_repository_index() == [{"name": MODEL, "version": "1", "state": "READY", "reason": ""}]
@@ -70,6 +76,7 @@ def test_a_new_folder_is_loaded_and_unloaded(control_url: str, models_folder: Pa
     client.load_model("tiny-copy")
     assert client.is_model_ready("tiny-copy") and client.is_server_ready()
     assert infer(client, "tiny-copy") == infer(client, MODEL)
+    assert any('model="tiny-copy"' in line for line in model_info(control_url))
     listed = httpx.get(f"{control_url}/v1/models", timeout=10, trust_env=False).json()
     assert [card["name"] for card in listed["models"]] == ["tiny-copy", MODEL]  # by name
     assert client.get_model_repository_index() == [
@@ -86,8 +93,8 @@ def test_a_new_folder_is_loaded_and_unloaded(control_url: str, models_folder: Pa
     ready = httpx.post(f"{control_url}/v2/repository/index", json={"ready": True}, timeout=10, trust_env=False)
     assert [m["name"] for m in ready.json()] == [MODEL]
     assert client.is_server_ready()  # the models served are all ready
-    assert 'model="tiny-copy"' not in httpx.get(f"{control_url}/metrics", timeout=10, trust_env=False).text.split(
-        "attnserve_model_info")[1].split("# HELP")[0]
+    assert not any('model="tiny-copy"' in line for line in model_info(control_url))
+    assert any(f'model="{MODEL}"' in line for line in model_info(control_url))
 
 
 def test_a_reload_under_load_fails_no_request(control_url: str) -> None:
@@ -210,6 +217,9 @@ def test_rows_in_flight_finish_on_the_version_they_started_on(models_dir: Path) 
     with serve(app) as url, httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
         wait_until_ready(url)
         before = len(fakes)
+        labels = {"model": "translate-en-it", "task": "translate", "provider": "CPUExecutionProvider",
+                  "variant": "fp32"}
+        info = []
         for action in ("load", "unload"):
             with client.stream("POST", "/v1/translate", json={"text": long, "model": "translate-en-it",
                                                               "stream": True}) as streamed:
@@ -224,5 +234,5 @@ def test_rows_in_flight_finish_on_the_version_they_started_on(models_dir: Path) 
                     assert fakes[-1].batches  # the request after the reload ran on the new version
                 rest = [line for line in lines if line.startswith("data: ")]
             assert '"done": true' in rest[-1] and long[::-1] in rest[-1]
-    assert metrics.REGISTRY.get_sample_value("attnserve_model_info", {
-        "model": "translate-en-it", "task": "translate", "provider": "CPUExecutionProvider", "variant": "fp32"}) is None
+            info.append(metrics.REGISTRY.get_sample_value("attnserve_model_info", labels))
+    assert info == [1.0, None]  # kept by the reload (the same labels), gone with the unload

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +24,6 @@ openai = pytest.importorskip("openai")
 
 MODEL = "tiny-reverse"  # reverses its input's pieces
 TEXTS = ["abc de", "kol", "a b c"]
-
-
-@pytest.fixture(scope="module")
-def tiny_url(served_tiny_models: Path) -> Iterator[str]:
-    with serve(create_app(tiny_settings(served_tiny_models, max_wait_ms=20))) as url:
-        wait_until_ready(url)
-        yield url
 
 
 def client(url: str, **options: Any) -> Any:
