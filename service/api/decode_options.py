@@ -1,5 +1,5 @@
 """The decoding options of a generation request beyond its beam size and token limit: scores,
-n-best hypotheses and a target prefix, for `/v1/translate`, `/v1/summarize` (plain and
+n-best hypotheses, a target prefix and sampling, for `/v1/translate`, `/v1/summarize` (plain and
 streamed) and the KServe v2 infer route.
 
 - `return_scores`: each output's `score` is the sum of the log-probabilities (natural log) of
@@ -18,12 +18,21 @@ streamed) and the KServe v2 infer route.
   which counts towards `max_new_tokens` and must leave at least one token to generate. A string
   applies to every text; a list (with `texts`) gives one prefix per text, `""` for none.
 
-The decoding loop sees these through each row's `RowHooks` (`prefix`, `scores`, `hypotheses`);
-a request that asks none of them gets no hooks from here and decodes exactly as before.
+- `temperature` > 0: each output token is drawn (`service.generation.sampling`) rather than the
+  most likely, from the model's distribution at that temperature, within the `top_k` most likely
+  pieces and the `top_p` nucleus when given; `seed` makes the draws repeatable (text i draws
+  from (seed, i)). Greedy decoding only (beam 1); it does not make texts whole, a long text's
+  sentences each draw from their own row's generator. `top_k`, `top_p` and `seed` without a
+  temperature are refused: they would change nothing.
+
+The decoding loop sees these through each row's `RowHooks` (`prefix`, `scores`, `hypotheses`,
+`sampler`); a request that asks none of them gets no hooks from here and decodes exactly as
+before.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +40,7 @@ from typing import Any
 from service.api.schemas import Hypothesis
 from service.core.errors import InvalidInput
 from service.generation.hooks import RowHooks
+from service.generation.sampling import Sampling
 from service.runtime.protocol import Runtime
 
 
@@ -41,17 +51,26 @@ class DecodeOptions:
     scores: bool = False  # return_scores
     hypotheses: int | None = None  # num_hypotheses, when asked
     prefixes: tuple[tuple[int, ...], ...] = ()  # forced token ids, one per text (or none at all)
+    sampling: Sampling | None = None  # temperature > 0: tokens drawn, not the most likely
+
+    @property
+    def per_text(self) -> bool:
+        """Whether the request asks for something of each text's one output (scores,
+        hypotheses, a prefix): its texts are then decoded whole, one row each, and its outputs
+        carry `extras`."""
+        return self.scores or self.hypotheses is not None or any(self.prefixes)
 
     @property
     def plain(self) -> bool:
         """Whether the request asks nothing of these options."""
-        return not self.scores and self.hypotheses is None and not any(self.prefixes)
+        return not self.per_text and self.sampling is None
 
     def row_hooks(self, row: int, on_token: Callable[[int], None] | None = None) -> RowHooks:
-        """The hooks of the request's `row`-th text."""
+        """The hooks of the request's `row`-th row (its `row`-th text when `per_text`)."""
         return RowHooks(on_token=on_token, prefix=self.prefixes[row] if self.prefixes else (),
                         scores=self.scores or self.hypotheses is not None,
-                        hypotheses=self.hypotheses or 1)
+                        hypotheses=self.hypotheses or 1,
+                        sampler=self.sampling.sampler(row) if self.sampling is not None else None)
 
     def hooks(self, rows: int) -> list[RowHooks] | None:
         """The hooks of every row of a request that is not streamed; None for a plain one."""
@@ -93,13 +112,37 @@ def whole_texts(*, return_scores: bool = False, num_hypotheses: int | None = Non
     return return_scores or num_hypotheses is not None or target_prefix is not None or maps
 
 
+def sampling(temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, beam_size: int = 1, where: str = "") -> Sampling | None:
+    """A request's sampling settings, checked (`InvalidInput`; `where` prefixes the fields'
+    names), or None when it decodes deterministically (no temperature, or 0)."""
+    if not temperature:
+        given = [name for name, value in (("top_k", top_k), ("top_p", top_p), ("seed", seed)) if value is not None]
+        if given:
+            raise InvalidInput(f"{where}{given[0]}: applies to sampling only; set {where}temperature > 0 "
+                               f"(absent or 0: the most likely tokens)")
+        return None
+    problem = ("temperature: a finite number > 0" if not math.isfinite(temperature) or temperature < 0
+               else "top_k: at least 1" if top_k is not None and top_k < 1
+               else "top_p: more than 0 and at most 1" if top_p is not None and not 0 < top_p <= 1
+               else "seed: at least 0" if seed is not None and seed < 0 else None)
+    if problem is not None:
+        raise InvalidInput(f"{where}{problem}")
+    if beam_size > 1:
+        raise InvalidInput(f"{where}temperature: sampling draws one token per step; it does not go "
+                           f"with beam_size {beam_size} (send beam_size 1, or temperature 0)")
+    return Sampling(temperature, top_k, 1.0 if top_p is None else top_p, seed)
+
+
 def decode_options(
     runtime: Runtime, texts: int, beam_size: int, max_new_tokens: int, *,
     return_scores: bool = False, num_hypotheses: int | None = None,
     target_prefix: str | Sequence[str] | None = None, where: str = "target_prefix",
+    sampled: Sampling | None = None,
 ) -> DecodeOptions:
     """The options of a request of `texts` texts, checked (`InvalidInput`) and the prefixes
-    tokenized; `max_new_tokens` is the request's limit, defaults applied."""
+    tokenized; `max_new_tokens` is the request's limit, defaults applied; `sampled` its
+    sampling settings (`sampling`), None for deterministic decoding."""
     if num_hypotheses is not None and not 1 <= num_hypotheses <= beam_size:
         raise InvalidInput(f"num_hypotheses: {num_hypotheses} asked, but beam_size {beam_size} "
                            f"gives at most {beam_size}")
@@ -115,4 +158,4 @@ def decode_options(
                 raise InvalidInput(f"{name}: {len(ids)} tokens; at most {max_new_tokens - 1} allowed, "
                                    f"to leave one of max_new_tokens ({max_new_tokens}) to generate")
         prefixes = tuple(tuple(int(i) for i in ids) for ids in encoded)
-    return DecodeOptions(scores=return_scores, hypotheses=num_hypotheses, prefixes=prefixes)
+    return DecodeOptions(scores=return_scores, hypotheses=num_hypotheses, prefixes=prefixes, sampling=sampled)

@@ -8,7 +8,9 @@ and gives two BYTES output tensors of the same shape: `output` (the generated te
 (summarization) `truncate` are the options of `/v1/translate` and `/v1/summarize`, and so are
 `return_scores` (adds the FP32 output `score` of the same shape: each output's summed
 log-probability, `</s>` included; asking for the output `score` by name does the same) and
-`target_prefix` (one string, the prefix of every output; `service.api.decode_options`);
+`target_prefix` (one string, the prefix of every output; `service.api.decode_options`) and
+sampling's `temperature`, `top_k`, `top_p` and `seed` (element i of the input draws from the seed
+and i);
 `binary_data_output` is the protocol's own. n-best hypotheses have no tensor here (`/v1` gives
 them).
 
@@ -54,13 +56,23 @@ from starlette.requests import Request
 
 from service.api import pipeline
 from service.api.deadline import Deadline
-from service.api.decode_options import decode_options, whole_texts
+from service.api.decode_options import decode_options, sampling, whole_texts
 from service.api.errors import describe_validation_errors
 from service.api.media_type import load_json
-from service.api.schemas import MAX_BEAM_SIZE, MAX_NEW_TOKENS, PrefixText, clean_text
+from service.api.schemas import (
+    MAX_BEAM_SIZE,
+    MAX_NEW_TOKENS,
+    PrefixText,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+    clean_text,
+)
 from service.core.errors import Forbidden, InvalidInput, ModelNotFound, shorten
 from service.core.registry import ModelEntry, ModelRegistry
 from service.core.settings import Settings
+from service.generation.sampling import Sampling
 from service.observability.timing import RequestTiming
 
 PLATFORM = "attnserve"
@@ -215,6 +227,10 @@ class InferParameters(BaseModel):
     truncate: Annotated[int, Field(ge=1)] | StrictBool | None = None
     return_scores: StrictBool = False
     target_prefix: PrefixText | None = None
+    temperature: Temperature | None = None
+    top_k: TopK | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
     binary_data_output: StrictBool = False
 
 
@@ -249,6 +265,7 @@ class Inference:
     outputs: dict[str, bool]  # output name -> in binary
     truncate: int | bool | None = None
     target_prefix: str | None = None
+    sampling: Sampling | None = None  # temperature > 0: tokens sampled
 
     @property
     def return_scores(self) -> bool:
@@ -287,9 +304,11 @@ def parse_document(document: Any, binary: bytes = b"") -> Inference:
             if not isinstance(binary_flag, bool):
                 raise InvalidInput(f"outputs.{requested.name}: binary_data must be a boolean")
             outputs[requested.name] = binary_flag
+    sampled = sampling(parameters.temperature, parameters.top_k, parameters.top_p, parameters.seed,
+                       parameters.beam_size, where="parameters.")
     return Inference(request.id, texts, list(tensor.shape), parameters.max_new_tokens,
                      parameters.beam_size, outputs, truncate=parameters.truncate,
-                     target_prefix=parameters.target_prefix)
+                     target_prefix=parameters.target_prefix, sampling=sampled)
 
 
 def _split(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
@@ -443,7 +462,8 @@ def prepare(entry: ModelEntry, inference: Inference, settings: Settings,
                                                         target_prefix=inference.target_prefix))
     options = decode_options(prepared.runtime, len(inference.texts), inference.beam_size,
                              prepared.max_new_tokens, return_scores=inference.return_scores,
-                             target_prefix=inference.target_prefix, where="parameters.target_prefix")
+                             target_prefix=inference.target_prefix, where="parameters.target_prefix",
+                             sampled=inference.sampling)
     prepared = dataclasses.replace(prepared, options=options)
     return prepared, Deadline(at=prepared.started + budget_s, budget_s=budget_s)
 

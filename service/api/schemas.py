@@ -17,9 +17,12 @@ from service.core.limits import (
     MAX_BEAM_SIZE,
     MAX_DECIMALS,
     MAX_NEW_TOKENS,
+    MAX_SEED,
+    MAX_TEMPERATURE,
     MAX_TEXT_CHARS,
     MAX_TEXTS,
     MAX_TIMEOUT_MS,
+    MAX_TOP_K,
 )
 
 # Control characters but tab and newlines, and the surrogate code points (JSON "\ud800").
@@ -42,6 +45,11 @@ Text = Annotated[
 ]
 # a target prefix: any text within the same limits, "" for none
 PrefixText = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS), AfterValidator(clean_text)]
+# sampling (`service.generation.sampling`): absent or 0 temperature decodes deterministically
+Temperature = Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=1, le=MAX_TOP_K)]
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 FinishReason = Literal["eos", "length"]
 Task = Literal["translate", "summarize"]
 AttentionKind = Literal["encoder", "decoder", "cross"]
@@ -104,6 +112,21 @@ class GenerateRequest(BaseModel):
         description="text each output starts with (the decoder is forced through its tokens, "
         "which count towards `max_new_tokens`); a string for every text, or with `texts` a "
         "list of one prefix per text (\"\" for none)",
+    )
+    temperature: Temperature | None = Field(
+        None,
+        description="above 0: sample each output token from the model's distribution at this "
+        "temperature instead of taking the most likely (greedy decoding only, `beam_size` 1); "
+        "absent or 0: deterministic decoding",
+    )
+    top_k: TopK | None = Field(None, description="with `temperature`: draw from the k most likely tokens only")
+    top_p: TopP | None = Field(
+        None, description="with `temperature`: draw from the smallest set of the most likely tokens "
+        "whose probability reaches `top_p` (nucleus sampling)",
+    )
+    seed: Seed | None = Field(
+        None, description="with `temperature`: the same seed, texts and settings give the same outputs "
+        "(text i draws from the seed and i)",
     )
     timeout_ms: int | None = Field(
         None, ge=1, le=MAX_TIMEOUT_MS,

@@ -243,7 +243,7 @@ async def _events(
                             prepared.sources, [list(results[0].tokens)]),
                 entry, prepared.started, align_settings, budget_s=budget_s,
             )
-        if not prepared.options.plain:  # one text, one row (`whole_texts`)
+        if prepared.options.per_text:  # one text, one row (`whole_texts`)
             extras[0].update(prepared.options.extras(prepared.runtime, results[0]))
         [out] = pipeline.outputs(prepared, results, extras)
         final = {"done": True, "model": entry.name, "delta": out.text[len(text.sent):]

@@ -5,8 +5,8 @@ In the spirit of TGI's `Batch`: `concatenate` adds newcomers (encoded here, in g
 similar source length), `filter` keeps only the rows of the given owners, and `generate_token`
 runs one decoder step for every row and returns the rows that stopped, by the one rule of
 `model.stopping.StoppingCriteria` (EOS, the row's token limit, its request cancelled). A row's
-hooks may force its first tokens (`RowHooks.prefix`: fed as the step's choice while they last)
-and ask for its tokens' log-probabilities (`RowHooks.scores`), computed for those rows only
+hooks may force its first tokens (`RowHooks.prefix`: fed as the step's choice while they last),
+draw its tokens rather than take the most likely (`RowHooks.sampler`), and ask for its tokens' log-probabilities (`RowHooks.scores`), computed for those rows only
 (`choose`). Two
 batches implement it: `service.batching.slot_batch.SlotBatch` on the step graph (each row's
 cache in its own slot) and `service.batching.running_batch.RunningBatch` on the merged decoder
@@ -24,6 +24,7 @@ import numpy as np
 
 from model.stopping import EOS, StoppingCriteria
 from service.generation.hooks import RowHooks
+from service.generation.sampling import Sampler
 from service.generation.search import GenerationResult, pick
 from service.runtime import EncoderState
 from service.runtime.protocol import Runtime
@@ -103,19 +104,23 @@ def encode_newcomers(runtime: Runtime, sources: Sequence[list[int]], owners: Seq
 def choose(members: Sequence[Member[Owner] | None], logits: np.ndarray,
            scores: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """Each row's token of this step from its (B, V) `logits` (None: a dead slot): the next
-    token of its forced prefix while that lasts, else the argmax; and the log-probabilities
+    token of its forced prefix while that lasts, else a draw of its sampler when it has one
+    (`RowHooks.sampler`), else the argmax; and the log-probabilities
     (`service.generation.search.pick`) of every row with the batch's `scores`, else of the rows
     that ask for them only."""
     forced: list[tuple[int, int]] = []
     asking: list[int] = []
+    sampled: list[tuple[int, Sampler]] = []
     for i, member in enumerate(members):
         if member is None:
             continue
         if member.prefix and len(member.tokens) < len(member.prefix):
             forced.append((i, member.prefix[len(member.tokens)]))
+        elif member.hooks is not None and member.hooks.sampler is not None:
+            sampled.append((i, member.hooks.sampler))
         if member.token_scores is not None:
             asking.append(i)
-    return pick(logits, scores, forced, asking)
+    return pick(logits, scores, forced, asking, sampled)
 
 
 def advance(members: Sequence[Member[Owner] | None], best: np.ndarray, chosen: np.ndarray | None, eos: int,

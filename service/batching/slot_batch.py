@@ -37,9 +37,9 @@ projection's columns for a shortlist are gathered once (`Shortlist.columns`) and
 stays. The rule follows the cost: an int8 product over gathered columns (not prepacked, as the
 whole projection is) pays at a few rows and a short list, and a full batch's shortlist changes
 at nearly every step (bench/results/shortlist/served). A step with the batch's `scores`, with a
-beam-search row, or with a live row that has a forced prefix or asks for its scores, computes
-the whole vocabulary: those need the probabilities of every token (and the prefix's
-tokens may lie outside the shortlist). Device slots always compute the whole vocabulary.
+beam-search row, or with a live row that has a forced prefix, asks for its scores or samples its
+tokens, computes the whole vocabulary: those need the probabilities of every token (and the
+prefix's tokens may lie outside the shortlist). Device slots always compute the whole vocabulary.
 
 Beam-search rows decode in the running batch too: a row of beam k takes k slots, one per beam
 (its cross keys/values written k times), and after each step its `BeamRow` (the rules of
@@ -446,11 +446,12 @@ class SlotBatch(Generic[Owner]):
         """The ids this step computes: the batch's shortlist, or None (the whole vocabulary)
         without a shortlist, over `shortlist_rows` live slots or `shortlist_share` of the
         vocabulary, with the batch's `scores`, while a beam-search row decodes, or while a live
-        row has a forced prefix or asks for its scores."""
+        row has a forced prefix, asks for its scores or draws its tokens (a sampler)."""
         if self._counts is None or self.scores or self._beams or len(self._members) > self.shortlist_rows:
             return None
-        if any(member.prefix or member.token_scores is not None for member in self._members
-               if isinstance(member, Member)):
+        if any(member.prefix or member.token_scores is not None
+               or (member.hooks is not None and member.hooks.sampler is not None)
+               for member in self._members if isinstance(member, Member)):
             return None
         vocab = self._counts.vocab
         return vocab if len(vocab) <= self.shortlist_share * self._counts.table.vocab_size else None

@@ -11,7 +11,9 @@ Torch-free (numpy). It produces exactly the tokens of the PyTorch reference,
 
 A row's hooks may also force a prefix (`RowHooks.prefix`: the decoder is fed those tokens as
 the step's choice, greedy and beam alike; they are part of the output and its token limit, and
-their log-probabilities count in its scores), ask for its tokens' log-probabilities
+their log-probabilities count in its scores), draw a greedy row's tokens instead of taking the
+most likely (`RowHooks.sampler`, `service.generation.sampling`; its scores are the model's
+log-probabilities of the drawn tokens), ask for its tokens' log-probabilities
 (`RowHooks.scores`: `token_scores`, one per output token, and `log_prob`, their sum plus the
 log-probability of EOS when the row ended with it) and for beam search's n best finished
 hypotheses (`RowHooks.hypotheses`).
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +38,9 @@ from model.stopping import EOS, StoppingCriteria
 from service.generation.hooks import RowHooks
 from service.runtime import EncoderState, KVCache
 from service.runtime.protocol import Runtime
+
+if TYPE_CHECKING:
+    from service.generation.sampling import Sampler
 
 Hooks = Sequence[RowHooks | None]
 
@@ -88,18 +94,23 @@ def token_log_probs(logits: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 
 def pick(logits: np.ndarray, scores: bool, forced: Sequence[tuple[int, int]],
-         asking: Sequence[int]) -> tuple[np.ndarray, np.ndarray | None]:
-    """Each row's token of one greedy step and its log-probability: the argmax of (B, V)
-    `logits`, or for each `(row, token)` of `forced` that token. Log-probabilities for every row
-    with `scores`; else only for the rows in `asking` (NaN for the others), None when no row
-    needs one: rows that ask nothing cost nothing beyond the argmax."""
+         asking: Sequence[int], sampled: Sequence[tuple[int, Sampler]] = ()) -> tuple[np.ndarray, np.ndarray | None]:
+    """Each row's token of one step and its log-probability: the argmax of (B, V) `logits`, for
+    each `(row, token)` of `forced` that token, and for each `(row, sampler)` of `sampled` a
+    draw of its sampler (`service.generation.sampling`). Log-probabilities (the model's, at
+    temperature 1 over the whole vocabulary) for every row with `scores`; else only for the
+    rows in `asking` (NaN for the others), None when no row needs one: rows that ask nothing
+    cost nothing beyond the argmax."""
     best, chosen = greedy_choice(logits, scores)
-    if not forced and (chosen is not None or not asking):
+    if not forced and not sampled and (chosen is not None or not asking):
         return best, chosen
+    for row, sampler in sampled:
+        best[row] = sampler.sample(logits[row])
     for row, token in forced:
         best[row] = token
     wanted = set(asking)
-    rescore = sorted({row for row, _ in forced if chosen is not None or row in wanted}
+    changed = {row for row, _ in forced} | {row for row, _ in sampled}
+    rescore = sorted({row for row in changed if chosen is not None or row in wanted}
                      | (wanted if chosen is None else set()))
     if rescore:
         if chosen is None:
@@ -109,7 +120,7 @@ def pick(logits: np.ndarray, scores: bool, forced: Sequence[tuple[int, int]],
     return best, chosen
 
 
-TOP_K_BLOCK = 64  # `top_k`: elements per group whose maxima bound a long row's k-th best
+TOP_K_BLOCK = 64  # `top_k`: at most this many elements per group whose maxima bound a long row's k-th best
 
 
 def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -119,16 +130,18 @@ def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     A long row is not partitioned whole: the k-th largest of its groups' maxima is a value that
     at least k elements reach, so the k best are among the elements at or above it, and only
     those are sorted: a pass of `max` over a row costs far less than a partition of it (a
-    beam-search step asks this of k x vocabulary candidates per row). The row's first
-    G x `TOP_K_BLOCK` elements form G groups, element i in group i mod G, so the maxima are an
-    elementwise `max` of `TOP_K_BLOCK` contiguous slices rather than a reduction per block."""
+    beam-search step asks this of k x vocabulary candidates per row; sampling's nucleus, of a
+    row's vocabulary). The row's first G x m elements form G >= 4k groups of m elements (at most
+    `TOP_K_BLOCK`), element i in group i mod G, so the maxima are an elementwise `max` of m
+    contiguous slices rather than a reduction per block."""
     k = min(k, scores.shape[-1])
     rows, size = scores.shape
-    blocks = size // TOP_K_BLOCK
-    if blocks < 4 * k:  # a short row: sorted whole
+    per_group = min(TOP_K_BLOCK, size // (4 * k))
+    if per_group < 2:  # a short row: sorted whole
         index = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
         return np.take_along_axis(scores, index, axis=-1), index
-    maxima = scores[:, :blocks * TOP_K_BLOCK].reshape(rows, TOP_K_BLOCK, blocks).max(axis=1)  # (R, blocks)
+    blocks = size // per_group
+    maxima = scores[:, :blocks * per_group].reshape(rows, per_group, blocks).max(axis=1)  # (R, blocks)
     floors = np.partition(maxima, blocks - k, axis=-1)[:, blocks - k]  # (R,): k elements reach it
     index = np.empty((rows, k), dtype=np.int64)
     for row in range(rows):
@@ -181,6 +194,11 @@ def _prefix(hooks: Hooks | None, row: int) -> tuple[int, ...]:
     return hook.prefix if hook is not None else ()
 
 
+def _sampler(hooks: Hooks | None, row: int) -> Sampler | None:
+    hook = hooks[row] if hooks is not None else None
+    return hook.sampler if hook is not None else None
+
+
 def _asks(hooks: Hooks | None, row: int) -> bool:
     hook = hooks[row] if hooks is not None else None
     return hook is not None and hook.scores
@@ -190,7 +208,8 @@ def greedy(
     runtime: Runtime, state: EncoderState, max_new_tokens: int, hooks: Hooks | None = None,
     scores: bool = True,
 ) -> list[GenerationResult]:
-    """The most likely token at every step (a row's forced prefix first); a row stops at EOS,
+    """The most likely token at every step (a row's forced prefix first; a row with a sampler
+    draws its tokens instead, `service.generation.sampling`); a row stops at EOS,
     at the token limit or when its hook is cancelled. Each result's score is its summed
     log-probability, or None without `scores`; a row whose hook asks for scores gets its
     `token_scores` and `log_prob` either way."""
@@ -199,6 +218,7 @@ def greedy(
     tokens: list[list[int]] = [[] for _ in range(batch)]
     summed = [0.0] * batch
     prefixes = [_prefix(hooks, row) for row in range(batch)]
+    samplers = [_sampler(hooks, row) for row in range(batch)]
     token_scores: list[list[float] | None] = [[] if _asks(hooks, row) else None for row in range(batch)]
 
     def result(row: int, reason: str) -> GenerationResult:
@@ -218,7 +238,9 @@ def greedy(
         forced = [(i, prefixes[row][len(tokens[row])]) for i, row in enumerate(rows_now)
                   if len(tokens[row]) < len(prefixes[row])]
         asking = [i for i, row in enumerate(rows_now) if token_scores[row] is not None]
-        best, chosen = pick(out.logits[:, -1], scores, forced, asking)  # (B_active,) each
+        sampled = [(i, sampler) for i, row in enumerate(rows_now)
+                   if (sampler := samplers[row]) is not None and len(tokens[row]) >= len(prefixes[row])]
+        best, chosen = pick(out.logits[:, -1], scores, forced, asking, sampled)  # (B_active,) each
         keep = []
         for i, row in enumerate(rows_now):
             token = int(best[i])

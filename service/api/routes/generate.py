@@ -14,6 +14,8 @@ texts into sentences, unless a request asks for attention, alignments, scores, h
 target prefix (each relates one source to one output); summarization refuses a text longer than
 the model's window unless `truncate`. A successful JSON answer carries the request's stage times in its
 `Server-Timing` header (`service.observability.timing`; KServe v2's `infer` answers it too).
+With `temperature` > 0 (and `top_k`, `top_p`, `seed`) each output token is sampled rather than
+the most likely (`service.generation.sampling`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fastapi import APIRouter, Request, Response
 
 from service.api import pipeline, streaming
 from service.api.deadline import request_deadline
-from service.api.decode_options import decode_options, whole_texts
+from service.api.decode_options import decode_options, sampling, whole_texts
 from service.api.pipeline import attention_runtime, within_deadline
 from service.api.routes.deps import JsonInferenceDep
 from service.api.schemas import ErrorBody, GenerateRequest, GenerateResponse
@@ -96,13 +98,14 @@ async def generate_texts(
     # 422 now, rather than after generating, for a model without attention outputs.
     needs_maps = body.return_attention or body.return_alignment
     maps_runtime = attention_runtime(runtime) if needs_maps else None
+    sampled = sampling(body.temperature, body.top_k, body.top_p, body.seed, body.beam_size)
     whole = whole_texts(return_scores=body.return_scores, num_hypotheses=body.num_hypotheses,
                         target_prefix=body.target_prefix, maps=needs_maps)
     prepared = pipeline.prepare(entry, texts, body.beam_size, body.max_new_tokens, settings,
                                 where, started, body.truncate, whole_texts=whole)
     options = decode_options(runtime, len(texts), body.beam_size, prepared.max_new_tokens,
                              return_scores=body.return_scores, num_hypotheses=body.num_hypotheses,
-                             target_prefix=body.target_prefix)
+                             target_prefix=body.target_prefix, sampled=sampled)
     prepared = dataclasses.replace(prepared, options=options)
     deadline = request_deadline(request, body.timeout_ms, settings, started)
     if body.stream:
@@ -129,7 +132,7 @@ async def generate_texts(
             source_tokens, target_tokens = _alignment_labels(runtime, texts[i], *generated[i])
             extra.update(attention=maps[i], source_tokens=source_tokens,
                          target_tokens=target_tokens)
-    if not options.plain:  # one row per text (`whole_texts`)
+    if options.per_text:  # one row per text (`whole_texts`)
         for extra, result in zip(extras, results, strict=True):
             extra.update(options.extras(runtime, result))
     outputs = pipeline.outputs(prepared, results, extras)

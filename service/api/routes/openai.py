@@ -4,19 +4,23 @@
 A completion's `prompt` (a text, or a list of texts) is the source the model translates or
 summarizes; a chat completion's source is the text of its last message, which must be the
 user's (the model is no chat model: earlier messages, a system prompt among them, do not
-condition it). `model` names the model, of any task. Decoding is deterministic: greedy, or with
-`n` > 1 (or `best_of` on completions) a beam search whose `n` best finished hypotheses are the
-choices, best first. `max_tokens` (chat: `max_completion_tokens` too) is the output's token limit,
+condition it). `model` names the model, of any task. Without `temperature` (or with 0) decoding
+is deterministic: greedy, or with `n` > 1 (or `best_of` on completions) a beam search whose `n`
+best finished hypotheses are the choices, best first; this differs from OpenAI, whose default
+temperature is 1. With `temperature` > 0 each token is sampled (`/v1/translate`'s sampling,
+`service.generation.sampling`), within the `top_p` nucleus and, as vLLM's extra field, the `top_k`
+most likely tokens; `top_p` below 1 without a temperature samples at temperature 1; the `n`
+choices of a prompt are `n` samples, and `seed` makes them repeatable. `max_tokens` (chat: `max_completion_tokens` too) is the output's token limit,
 by default the server's. `stream` answers one text with `n` 1 as OpenAI's chunks
 (`data: {json}` events, then `data: [DONE]`; `stream_options.include_usage` adds a last chunk
 with the usage). `finish_reason` is "stop" when the model ended the output and "length" at the
 token limit.
 
-What this server does not do is refused with a 400 that says so: sampling (`temperature` other
-than 0, `top_p` other than 1), stop sequences, penalties, logit biases, log-probabilities
-(`/v1/translate`'s `return_scores` gives them), `echo`, `suffix`, tools, a response format
-other than text, and non-text message parts. Fields OpenAI defines that change nothing here
-(`seed`, `user`, `metadata`, ...) and unknown fields are ignored.
+What this server does not do is refused with a 400 that says so: stop sequences, penalties,
+logit biases, log-probabilities (`/v1/translate`'s `return_scores` gives them), `echo`, `suffix`,
+`best_of` above `n` with sampling, tools, a response format other than text, and non-text
+message parts. Fields OpenAI defines that change nothing here (`user`, `metadata`, `seed` without
+sampling, ...) and unknown fields are ignored.
 
 The texts take `/v1/translate`'s path (`service.api.routes.generate.generate_texts`): the limits,
 long texts split into sentences, continuous batching, the deadline, the client's disconnect,
@@ -39,7 +43,16 @@ from service.api import streaming
 from service.api.errors import ProtocolRoute, describe_validation_errors
 from service.api.routes.deps import JsonInferenceDep, Serving
 from service.api.routes.generate import generate_texts
-from service.api.schemas import MAX_BEAM_SIZE, MAX_TEXTS, GenerateRequest, GenerateResponse
+from service.api.schemas import (
+    MAX_BEAM_SIZE,
+    MAX_TEXTS,
+    GenerateRequest,
+    GenerateResponse,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+)
 from service.core.errors import InvalidInput
 from service.core.limits import MAX_NEW_TOKENS
 
@@ -81,27 +94,36 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Annotated[StrictStr, Field(min_length=1, max_length=200)]
-    n: int = Field(1, ge=1, le=MAX_BEAM_SIZE, description="the n best hypotheses of a beam of n (or `best_of`)")
+    n: int = Field(1, ge=1, le=MAX_BEAM_SIZE,
+                   description="choices per prompt: n samples, or the n best hypotheses of a beam of n (or `best_of`)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, description="0 or absent: decoding is deterministic")
-    top_p: float | None = Field(None, description="1 or absent")
+    temperature: Temperature | None = Field(None, description="above 0: sampled; 0 or absent: deterministic")
+    top_p: TopP | None = Field(None, description="nucleus sampling; below 1 without temperature: sampled at 1")
+    top_k: TopK | None = Field(None, description="vLLM's extra field: sample from the k most likely tokens")
     stop: str | list[str] | None = Field(None, description="not supported: absent or empty")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = Field(None, description="not supported: absent, false or 0")
-    seed: int | None = None
+    seed: Seed | None = Field(None, description="with sampling: the same seed gives the same choices")
     user: str | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """`/v1/translate`'s sampling fields for this request (none: deterministic): at
+        `temperature` when above 0, or at 1 when it is absent and `top_p` is below 1 (OpenAI's
+        default temperature); `top_p`, `top_k` and `seed` with it."""
+        temperature = self.temperature
+        if temperature is None and self.top_p is not None and self.top_p < 1:
+            temperature = 1.0
+        if not temperature:
+            return {}
+        given = {"top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        return {"temperature": temperature, **{name: value for name, value in given.items() if value is not None}}
 
     def refusals(self) -> list[str]:
         """What the request asks that this server does not do, one reason each."""
         found = []
-        if self.temperature not in (None, 0):
-            found.append("temperature: decoding is deterministic here (greedy, or beam search for n > 1); "
-                         "send 0 or leave it out")
-        if self.top_p not in (None, 1):
-            found.append("top_p: decoding is deterministic here; send 1 or leave it out")
         if self.stop:
             found.append("stop: stop sequences are not supported; the output ends with the model's end of sequence")
         if self.presence_penalty or self.frequency_penalty:
@@ -210,21 +232,24 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
         refused.append("suffix: not supported")
     if body.best_of is not None and body.best_of < body.n:
         refused.append("best_of: must be at least n")
+    if body.best_of is not None and body.best_of > body.n and body.sampling():
+        refused.append("best_of: with sampling the n samples are the choices; send best_of = n or leave it out")
     _refuse(refused)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     _check_stream(body, len(prompts))
     beams = max(body.n, body.best_of or 1)
     identity, created = f"cmpl-{_request_id(request)}", int(time.time())
     answer = await _answer(
-        _generate(prompts, body.model, beams, body.n, body.max_tokens, body.stream, ("prompt",)), request, response,
+        _generate(prompts, body, beams, body.max_tokens, ("prompt",)), request, response,
         serving, _Chunks("text_completion", identity, created, body.model, _include_usage(body)),
     )
     if isinstance(answer, Response):
         return answer
+    sampled = bool(body.sampling())
     choices = [CompletionChoice(index=i * body.n + j, text=text, finish_reason=FINISH_REASONS[reason])
-               for i, texts in enumerate(_choices(answer, body.n)) for j, (text, reason) in enumerate(texts)]
+               for i, texts in enumerate(_choices(answer, body.n, sampled)) for j, (text, reason) in enumerate(texts)]
     return CompletionResponse(id=identity, created=created, model=answer.model, choices=choices,
-                              usage=_usage(answer, body.n))
+                              usage=_usage(answer, body.n, sampled))
 
 
 @router.post("/v1/chat/completions", response_model=ChatResponse, responses={**RESPONSES, 200: {"content": STREAMED}})
@@ -244,17 +269,17 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     identity, created = f"chatcmpl-{_request_id(request)}", int(time.time())
     answer = await _answer(
-        _generate([source], body.model, body.n, body.n, limit, body.stream,
-                  ("messages", len(body.messages) - 1, "content")), request, response,
+        _generate([source], body, body.n, limit, ("messages", len(body.messages) - 1, "content")), request, response,
         serving, _Chunks("chat.completion.chunk", identity, created, body.model, _include_usage(body)),
     )
     if isinstance(answer, Response):
         return answer
-    [texts] = _choices(answer, body.n)
+    sampled = bool(body.sampling())
+    [texts] = _choices(answer, body.n, sampled)
     choices = [ChatChoice(index=j, message=AssistantMessage(content=text), finish_reason=FINISH_REASONS[reason])
                for j, (text, reason) in enumerate(texts)]
     return ChatResponse(id=identity, created=created, model=answer.model, choices=choices,
-                        usage=_usage(answer, body.n))
+                        usage=_usage(answer, body.n, sampled))
 
 
 async def _answer(body: GenerateRequest, request: Request, response: Response, serving: Serving,
@@ -302,12 +327,18 @@ def _source(messages: list[Message]) -> str:
     return text
 
 
-def _generate(texts: list[str], model: str, beams: int, n: int, max_tokens: int | None,
-              stream: bool, where: tuple[str | int, ...]) -> GenerateRequest:
+def _generate(texts: list[str], body: Options, beams: int, max_tokens: int | None,
+              where: tuple[str | int, ...]) -> GenerateRequest:
     """`/v1/translate`'s request for these texts, validated as it validates its own; a text's
-    errors are located at `where` (and the prompt's index when there are several)."""
-    fields: dict[str, Any] = {"texts": texts, "model": model, "beam_size": beams, "stream": stream}
-    if n > 1:
+    errors are located at `where` (and the prompt's index when there are several). Sampled,
+    each text is sent `n` times, greedy rows whose draws differ (row i draws from the seed and
+    i); else a beam of `beams` gives the `n` best."""
+    sampling = body.sampling()
+    n, stream = body.n, body.stream
+    fields: dict[str, Any] = {"texts": texts, "model": body.model, "beam_size": beams, "stream": stream}
+    if sampling:
+        fields.update(sampling, texts=[text for text in texts for _ in range(n)], beam_size=1)
+    elif n > 1:
         fields["num_hypotheses"] = n
     if max_tokens is not None:
         fields["max_new_tokens"] = max_tokens
@@ -317,24 +348,36 @@ def _generate(texts: list[str], model: str, beams: int, n: int, max_tokens: int 
         return GenerateRequest.model_validate(fields)
     except ValidationError as error:
         index = slice(1, None) if len(texts) > 1 else slice(2, None)  # a lone text's index dropped
-        errors = [{**e, "loc": (*where, *e["loc"][index])} if e.get("loc") and e["loc"][0] in ("text", "texts")
-                  else e for e in error.errors()]
+        errors = [{**e, "loc": (*where, *_prompt_index(e["loc"][index], n if sampling else 1))}
+                  if e.get("loc") and e["loc"][0] in ("text", "texts") else e for e in error.errors()]
         raise InvalidInput(describe_validation_errors(errors)) from None
 
 
-def _choices(answer: GenerateResponse, n: int) -> list[list[tuple[str, str]]]:  # (text, "eos" | "length")
-    """Per text, its n choices' (text, finish reason): the output, or its n best hypotheses."""
+def _prompt_index(loc: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    """An error's location in the texts sent (each prompt `n` times when sampled) as a location
+    in the prompts."""
+    return (loc[0] // n, *loc[1:]) if loc and isinstance(loc[0], int) else loc
+
+
+def _choices(answer: GenerateResponse, n: int, sampled: bool) -> list[list[tuple[str, str]]]:  # (text, "eos" | "length")
+    """Per prompt, its n choices' (text, finish reason): its n samples, the output, or its n best
+    hypotheses."""
+    if sampled:
+        return [[(o.text, o.finish_reason) for o in answer.outputs[i:i + n]] for i in range(0, len(answer.outputs), n)]
     if n == 1:
         return [[(output.text, output.finish_reason)] for output in answer.outputs]
     return [[(h.text, h.finish_reason) for h in (output.hypotheses or [])[:n]] for output in answer.outputs]
 
 
-def _usage(answer: GenerateResponse, n: int) -> Usage:
-    """The prompts' tokens and those of every choice."""
-    prompt = answer.usage.input_tokens
-    if n == 1:
+def _usage(answer: GenerateResponse, n: int, sampled: bool) -> Usage:
+    """The prompts' tokens (each prompt once) and those of every choice."""
+    if sampled:
+        prompt = sum(output.input_tokens for output in answer.outputs[::n])
         completion = answer.usage.output_tokens
+    elif n == 1:
+        prompt, completion = answer.usage.input_tokens, answer.usage.output_tokens
     else:
+        prompt = answer.usage.input_tokens
         completion = sum(h.output_tokens for output in answer.outputs for h in (output.hypotheses or [])[:n])
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 

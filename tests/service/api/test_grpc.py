@@ -148,6 +148,12 @@ def test_infer_parameters_scores_prefix_and_named_outputs(triton: Any,
     assert [o.name for o in named.get_response().outputs] == ["score"]
 
 
+def test_infer_samples_with_the_rest_routes_draws(triton: Any, tiny_server: tuple[str, int]) -> None:
+    sampled = {"temperature": 4.0, "top_p": 0.95, "seed": 12}  # double, double and int64 parameters
+    result = triton.infer(MODEL, [texts_input()], parameters=sampled)
+    assert as_texts(result.as_numpy("output")) == [o["text"] for o in v1_outputs(tiny_server[0], **sampled)]
+
+
 def test_infer_errors_through_the_client(triton: Any) -> None:
     def code(**call: Any) -> tuple[str, str]:
         with pytest.raises(InferenceServerException) as caught:
@@ -158,7 +164,7 @@ def test_infer_errors_through_the_client(triton: Any) -> None:
     assert status == "StatusCode.INVALID_ARGUMENT" and "at most 15 allowed" in message
     status, message = code(parameters={"beam_size": 99})
     assert status == "StatusCode.INVALID_ARGUMENT" and "beam_size" in message
-    status, message = code(parameters={"temperature": 1.0})
+    status, message = code(parameters={"temperature": 1.0, "beam_size": 2})
     assert status == "StatusCode.INVALID_ARGUMENT" and "temperature" in message
     status, message = code(outputs=[grpcclient.InferRequestedOutput("logits")])
     assert status == "StatusCode.INVALID_ARGUMENT" and "unknown output" in message

@@ -139,7 +139,9 @@ def infer_body(data: Any, **extra: Any) -> dict[str, Any]:
     ("body", "status", "message"),
     [
         ({"inputs": []}, 400, "inputs"),
-        (infer_body(["abc"], parameters={"temperature": 1.0}), 400, "temperature"),
+        (infer_body(["abc"], parameters={"temperature": 1.0, "beam_size": 2}), 400, "temperature"),
+        (infer_body(["abc"], parameters={"top_p": 0.5}), 400, "parameters.top_p: applies to sampling only"),
+        (infer_body(["abc"], parameters={"temperature": -0.5}), 400, "temperature"),
         (infer_body(["abc"], parameters={"beam_size": "2"}), 400, "beam_size"),
         (infer_body(["abc"], outputs=[{"name": "logits"}]), 400, "unknown output"),
         (infer_body(["abc"], parameters={"return_scores": "yes"}), 400, "return_scores"),

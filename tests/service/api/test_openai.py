@@ -110,11 +110,11 @@ def test_the_models_list_in_openais_shape(tiny_url: str) -> None:
 def test_refusals_raise_the_clients_errors(tiny_url: str) -> None:
     stock = client(tiny_url)
     messages = [{"role": "user", "content": TEXTS[0]}]
-    with pytest.raises(openai.BadRequestError) as sampling:
-        stock.chat.completions.create(model=MODEL, messages=messages, temperature=0.7)
+    with pytest.raises(openai.BadRequestError) as refused:
+        stock.chat.completions.create(model=MODEL, messages=messages, stop=["x"])
     with pytest.raises(openai.NotFoundError) as unknown:
         stock.chat.completions.create(model="nope", messages=messages)
-    assert "temperature" in sampling.value.body["message"] and sampling.value.body["type"] == "invalid_input"
+    assert "stop" in refused.value.body["message"] and refused.value.body["type"] == "invalid_input"
     assert unknown.value.body == {"message": "no model 'nope' on this server", "type": "model_not_found",
                                   "param": None, "code": 404}
     # temperature 0 is greedy decoding: accepted
@@ -147,7 +147,9 @@ async def test_any_task_answers(fake_app: Any) -> None:
     [
         (CHAT, {"messages": USER}, 400, "model: Field required"),
         (CHAT, {"model": "en-it", "messages": []}, 400, "messages"),
-        (CHAT, {"model": "en-it", "messages": USER, "top_p": 0.9}, 400, "top_p"),
+        (CHAT, {"model": "en-it", "messages": USER, "top_p": 0}, 400, "top_p"),
+        (CHAT, {"model": "en-it", "messages": USER, "temperature": -1}, 400, "temperature"),
+        (CHAT, {"model": "en-it", "messages": USER, "temperature": 1, "n": 2, "stream": True}, 400, "n = 1"),
         (CHAT, {"model": "en-it", "messages": USER, "stop": ["\n"]}, 400, "stop sequences"),
         (CHAT, {"model": "en-it", "messages": USER, "frequency_penalty": 1}, 400, "penalties"),
         (CHAT, {"model": "en-it", "messages": USER, "logit_bias": {"5": 1}}, 400, "logit_bias"),
@@ -173,7 +175,8 @@ async def test_any_task_answers(fake_app: Any) -> None:
         ("/v1/completions", {"model": "en-it", "prompt": "abc", "n": 3, "best_of": 2}, 400, "best_of"),
         ("/v1/completions", {"model": "en-it", "prompt": ["a", "b"], "stream": True}, 400, "one prompt"),
         ("/v1/completions", {"model": "en-it", "prompt": [[1, 2, 3]]}, 400, "prompt"),
-        ("/v1/completions", {"model": "en-it", "prompt": "abc", "temperature": 1}, 400, "temperature"),
+        ("/v1/completions", {"model": "en-it", "prompt": "abc", "temperature": 1, "n": 2, "best_of": 3}, 400,
+         "best_of: with sampling"),
         ("/v1/completions", ["abc"], 400, "object"),
     ],
 )
