@@ -63,19 +63,23 @@ def load_translator(ct2_dir: Path, compute_type: str, threads: int = 0, inter_th
 
 
 def translate(translator: Any, pieces: Sequence[list[str]], beam_size: int, max_decoding_length: int,
-              max_batch_size: int = MAX_BATCH_SIZE, batch_type: str = "examples") -> list[list[str]]:
+              max_batch_size: int = MAX_BATCH_SIZE, batch_type: str = "examples",
+              **options: Any) -> list[list[str]]:
     """Best hypothesis (pieces, without EOS) for each source given as pieces (ending with EOS).
-    With several replicas, `translate_batch` runs its batches on them in parallel."""
+    With several replicas, `translate_batch` runs its batches on them in parallel; `options` are
+    `translate_batch`'s others (e.g. `sampling_topk`)."""
     results = translator.translate_batch(list(pieces), beam_size=beam_size, max_batch_size=max_batch_size,
-                                         batch_type=batch_type, max_decoding_length=max_decoding_length)
+                                         batch_type=batch_type, max_decoding_length=max_decoding_length, **options)
     return [r.hypotheses[0] for r in results]
 
 
 def run_batch(translator: Any, pieces: Sequence[list[str]], beam_size: int, max_decoding_length: int,
-              max_batch_size: int = MAX_BATCH_SIZE, batch_type: str = "examples") -> tuple[RunStats, list[list[str]]]:
-    """One `translate_batch` call over the whole workload; latency = the call's wall time."""
+              max_batch_size: int = MAX_BATCH_SIZE, batch_type: str = "examples",
+              **options: Any) -> tuple[RunStats, list[list[str]]]:
+    """One `translate_batch` call over the whole workload (`options`: `translate`'s); latency =
+    the call's wall time."""
     started = time.perf_counter()
-    outputs = translate(translator, pieces, beam_size, max_decoding_length, max_batch_size, batch_type)
+    outputs = translate(translator, pieces, beam_size, max_decoding_length, max_batch_size, batch_type, **options)
     elapsed = time.perf_counter() - started
     return summarise([elapsed] * len(outputs), sum(len(o) for o in outputs), elapsed), outputs
 

@@ -24,6 +24,8 @@ from bench import machine
 from bench.stats import RunStats, summarise
 from bench.workload import SPLITS
 from service.batching.slot_batch import generate_running
+from service.generation.hooks import RowHooks
+from service.generation.sampling import Sampling
 from service.generation.search import GenerationResult, generate
 from service.runtime import CPU, ModelRuntime
 
@@ -134,10 +136,12 @@ class _Shared(Generic[T]):
 
 
 def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InProcessSettings,
-                 max_new_tokens: int | None = None) -> tuple[RunStats, list[GenerationResult]]:
+                 max_new_tokens: int | None = None,
+                 sampling: Sampling | None = None) -> tuple[RunStats, list[GenerationResult]]:
     """Greedy outputs of `sources` (in workload order) at `settings` on `runtime` (loaded with
-    `settings.threads`), and the run's stats. Latency of a sentence: its batch's wall time
-    (`batches`), or from its joining the running batch to its row's end (`running`)."""
+    `settings.threads`), or with `sampling` sampled ones, and the run's stats. Latency of a
+    sentence: its batch's wall time (`batches`), or from its joining the running batch to its
+    row's end (`running`)."""
     limit = max_new_tokens or runtime.max_target_len
     outputs: dict[int, GenerationResult] = {}
     latencies: list[float] = []
@@ -149,7 +153,8 @@ def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InPr
         def replica() -> None:
             for rows in batches:
                 started = time.perf_counter()
-                generated = generate(runtime, [sources[i] for i in rows], 1, limit, greedy_scores=False)
+                hooks = None if sampling is None else [RowHooks(sampler=sampling.sampler(i)) for i in rows]
+                generated = generate(runtime, [sources[i] for i in rows], 1, limit, hooks=hooks, greedy_scores=False)
                 took = time.perf_counter() - started
                 with lock:
                     latencies.extend([took] * len(rows))
@@ -168,7 +173,8 @@ def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InPr
         feed = _Shared(timed())
 
         def replica() -> None:
-            for i, result in generate_running(runtime, feed, settings.size, limit, join_at=settings.join_at):
+            for i, result in generate_running(runtime, feed, settings.size, limit, join_at=settings.join_at,
+                                              sampling=sampling):
                 with lock:
                     latencies.append(time.perf_counter() - joined[i])
                     outputs[i] = result

@@ -73,6 +73,7 @@ from service.batching.in_flight import (
 )
 from service.core.settings import SHORTLIST_SHARE
 from service.generation.hooks import RowHooks
+from service.generation.sampling import Sampling
 from service.generation.search import BeamRow, GenerationResult, beam_candidates, log_softmax
 from service.runtime.device_slots import (
     DeviceSlots,
@@ -532,12 +533,13 @@ class SlotBatch(Generic[Owner]):
 
 def generate_running(runtime: Runtime, sources: Iterable[tuple[Owner, list[int]]], rows: int = 64,
                      max_new_tokens: int | None = None, shortlist_rows: int = 0,
-                     join_at: int = 1) -> Iterator[tuple[Owner, GenerationResult]]:
+                     join_at: int = 1, sampling: Sampling | None = None) -> Iterator[tuple[Owner, GenerationResult]]:
     """Greedy decoding of `sources` ((owner, ids ending with EOS) pairs) in-process through one
     `SlotBatch` of at most `rows` slots, as the server's running batch decodes them, without a
     server: before each step, once at least `join_at` slots are free (or none is taken), the
     next sources take the free slots (encoded together, `concatenate`). Yields each
-    (owner, result) as its row finishes.
+    (owner, result) as its row finishes. With `sampling`, each row draws its tokens instead
+    (`service.generation.sampling`; the n-th source this batch takes draws as row n).
 
     `sources` is read lazily, as slots free up, so several threads may share one iterator (read
     under a lock) and each run its own batch: replicas dividing a workload as it goes, as
@@ -548,14 +550,18 @@ def generate_running(runtime: Runtime, sources: Iterable[tuple[Owner, list[int]]
     batch: SlotBatch[Owner] = SlotBatch(runtime, scores=False, rows=rows, shortlist_rows=shortlist_rows)
     feed = iter(sources)
     exhausted = False
+    taken = 0
     while True:
         free = rows - len(batch)
         if not exhausted and (free >= join_at or not len(batch)):
             newcomers = list(itertools.islice(feed, free))
             exhausted = len(newcomers) < free
             if newcomers:
+                hooks = None if sampling is None else [RowHooks(sampler=sampling.sampler(taken + i))
+                                                       for i in range(len(newcomers))]
+                taken += len(newcomers)
                 batch.concatenate([source for _, source in newcomers], [owner for owner, _ in newcomers],
-                                  [limit] * len(newcomers))
+                                  [limit] * len(newcomers), hooks)
         if not len(batch):
             return
         yield from batch.generate_token()

@@ -14,20 +14,25 @@ system. The draws are repeatable; the logits they draw from are the model's, so 
 graphs, whose activations are quantized with the whole batch's scale, a row's logits (and so,
 rarely, a draw) may depend on the rows decoding beside it (`service.batching.slot_batch`).
 
-Only the pieces a row keeps are sorted: for `top_p` the 64 most likely are found first (a
-partition of the row), then eight times as many while they hold less than `top_p` of the
-probability; without `top_k` and `top_p` nothing is sorted.
+The rows of a step that share their settings are drawn together (`draw`): the exponentials,
+the top k (`service.generation.ranking`) and the draws of all of them at once. Nothing is
+sorted whole: with `top_k` only the k most likely are ranked (and with `top_k` alone only they
+are exponentiated); with `top_p` alone the 64 most likely, which hold the nucleus of most rows,
+and for a row whose nucleus is wider only the pieces that may be in it (each weighs at least
+(1 - top_p) / V of the row); with neither nothing is ranked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from service.generation.search import top_k
+from service.generation.ranking import top_k
 
-NUCLEUS_FIRST = 64  # pieces looked at first for top_p; eight times as many while they hold less
+NUCLEUS_FIRST = 64  # top_p: the most likely pieces looked at first, enough for most rows
+DRAW_BLOCK = 64  # a draw over a long row finds its block of this many pieces first
 
 
 @dataclass(frozen=True)
@@ -65,41 +70,101 @@ class Sampler:
 
     def sample(self, logits: np.ndarray) -> int:
         """A piece drawn from one row's (V,) `logits` by the module's rule."""
-        ids, probs = kept(logits, self.settings)
-        cumulative = np.cumsum(probs, dtype=np.float64)
-        drawn = int(np.searchsorted(cumulative, self.generator.random() * cumulative[-1], side="right"))
-        return int(ids[min(drawn, len(ids) - 1)])
+        return int(draw(logits[None], [self])[0])
+
+
+def draw(logits: np.ndarray, samplers: Sequence[Sampler]) -> np.ndarray:
+    """One piece per row of (R, V) `logits`, row i drawn by `samplers[i]` (one uniform number of
+    its generator per draw). Rows of the same settings are drawn together, so a row draws the
+    same piece from the same logits and generator state whatever rows are drawn beside it."""
+    tokens = np.empty(len(samplers), dtype=np.int64)
+    groups: dict[Sampling, list[int]] = {}
+    for i, sampler in enumerate(samplers):
+        groups.setdefault(sampler.settings, []).append(i)
+    for settings, rows in groups.items():
+        index = np.asarray(rows, dtype=np.int64)
+        ids, weights = kept_rows(logits[index], settings)  # (r, m) each
+        chances = np.asarray([samplers[i].generator.random() for i in rows])  # (r,) in [0, 1)
+        drawn = _inverse_cdf(weights, chances)
+        tokens[index] = drawn if ids is None else np.take_along_axis(ids, drawn[:, None], axis=-1)[:, 0]
+    return tokens
+
+
+def _inverse_cdf(weights: np.ndarray, chances: np.ndarray) -> np.ndarray:
+    """For each row of (R, m) `weights` (>= 0, not normalised), the first column whose running
+    sum exceeds `chances` x the row's total. A long row is summed in blocks of `DRAW_BLOCK`
+    first, then only the block the draw falls in is summed column by column: a running sum along
+    a long axis costs more than the two short ones."""
+    rows, size = weights.shape
+    if size <= 4 * DRAW_BLOCK:
+        running = np.cumsum(weights, axis=-1, dtype=np.float64)
+        goal = chances * running[:, -1]
+        return np.minimum((running <= goal[:, None]).sum(axis=-1), size - 1)
+    blocks = -(-size // DRAW_BLOCK)
+    if blocks * DRAW_BLOCK != size:
+        weights = np.pad(weights, ((0, 0), (0, blocks * DRAW_BLOCK - size)))
+    grouped = weights.reshape(rows, blocks, DRAW_BLOCK)
+    block_sums = grouped.sum(axis=-1, dtype=np.float64)  # (R, blocks)
+    running = np.cumsum(block_sums, axis=-1)
+    goal = chances * running[:, -1]
+    block = np.minimum((running <= goal[:, None]).sum(axis=-1), blocks - 1)  # (R,)
+    line = np.arange(rows)
+    inner = (running[line, block] - block_sums[line, block])[:, None] + np.cumsum(
+        grouped[line, block], axis=-1, dtype=np.float64)  # (R, DRAW_BLOCK)
+    column = np.minimum((inner <= goal[:, None]).sum(axis=-1), DRAW_BLOCK - 1)
+    return np.minimum(block * DRAW_BLOCK + column, size - 1)
 
 
 def kept(logits: np.ndarray, settings: Sampling) -> tuple[np.ndarray, np.ndarray]:
-    """The pieces a row may draw from one step's (V,) `logits` and their probabilities
-    renormalised over them (float64, summing to 1): with `top_k` or `top_p`, most likely first
-    (ties by id); with neither, every piece in id order (the draw needs no order)."""
-    scaled = logits.astype(np.float64) / settings.temperature
-    size = scaled.shape[-1]
+    """The pieces one row may draw from one step's (V,) `logits` and their probabilities
+    (float64, summing to 1): `kept_rows` of that row alone, which pads nothing."""
+    ids, weights = kept_rows(logits[None], settings)
+    probs = weights[0].astype(np.float64)
+    if settings.top_p < 1:  # the pieces past the nucleus weigh 0
+        probs = probs[:int(np.flatnonzero(probs)[-1]) + 1]
+    return (np.arange(len(probs)) if ids is None else ids[0, :len(probs)]), probs / probs.sum()
+
+
+def kept_rows(logits: np.ndarray, settings: Sampling) -> tuple[np.ndarray | None, np.ndarray]:
+    """The pieces each row of (R, V) `logits` may draw from and their weights (proportional to
+    their probabilities at the temperature, not normalised), as (R, m) arrays: with `top_k` or
+    `top_p`, most likely first (ties by id), rows keeping fewer than m pieces padded with weight
+    0; with neither, every piece in id order (ids None: the draw needs no order)."""
+    rows, size = logits.shape
     k = size if settings.top_k is None else min(settings.top_k, size)
-    weights = np.exp(scaled - scaled.max())  # (V,), the largest 1
-    if k == size and settings.top_p >= 1:
-        return np.arange(size), weights / weights.sum()
-    if settings.top_p >= 1:
-        ids = _most_likely(scaled, k)
-    else:
-        total = weights.sum() if k == size else weights[_most_likely(scaled, k)].sum()  # the top-k's mass
-        first = min(k, NUCLEUS_FIRST)
-        while True:  # the most likely `first` pieces, growing eightfold until they hold top_p
-            ids = _most_likely(scaled, first)
-            mass = np.cumsum(weights[ids]) / total
-            if mass[-1] >= settings.top_p or first == k:
-                break
-            first = min(k, first * 8)
-        cut = int(np.searchsorted(mass, settings.top_p, side="left")) + 1  # the piece that reaches top_p
-        ids = ids[:min(cut, len(ids))]
-    probs = weights[ids]
-    return ids, probs / probs.sum()
-
-
-def _most_likely(scaled: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the k largest of (V,) `scaled`, largest first, equal values by id."""
-    if k >= scaled.shape[-1]:
-        return np.argsort(-scaled, kind="stable")
-    return top_k(scaled[None], k)[1][0]
+    if settings.top_p >= 1 and k < size:  # the k most likely: only their exponentials
+        values, ids = top_k(logits, k)
+        return ids, np.exp((values.astype(np.float64) - values[:, :1]) / settings.temperature)
+    if settings.top_p >= 1:  # every piece: float32 exponentials, summed in float64
+        return None, np.exp((logits - logits.max(axis=-1, keepdims=True)) / np.float32(settings.temperature))
+    # float32 exponentials (the order is the logits'), their sums in float64
+    weights = np.exp((logits - logits.max(axis=-1, keepdims=True)) / np.float32(settings.temperature))
+    line = np.arange(rows)[:, None]
+    if k < size:  # the nucleus of the top k: their order is top_k's
+        ids = top_k(logits, k)[1]  # (R, k)
+        kept_weights = weights[line, ids]
+        mass = np.cumsum(kept_weights, axis=-1, dtype=np.float64)
+        cuts = (mass < settings.top_p * mass[:, -1:]).sum(axis=-1) + 1  # (R,) the piece that reaches top_p kept
+        kept_weights[np.arange(k) >= cuts[:, None]] = 0
+        return ids, kept_weights
+    totals = weights.sum(axis=-1, dtype=np.float64)  # (R,)
+    first = min(NUCLEUS_FIRST, size)
+    ids = top_k(logits, first)[1]  # (R, first): the nucleus of most rows
+    mass = np.cumsum(weights[line, ids], axis=-1, dtype=np.float64)
+    cuts = (mass < settings.top_p * totals[:, None]).sum(axis=-1) + 1  # (R,)
+    chosen = [ids[row, :cuts[row]] for row in range(rows)]
+    # the rows whose nucleus is wider: every piece of a nucleus weighs at least (1 - top_p) / V
+    # of the total (the lighter ones weigh less than 1 - top_p together), so only those are sorted
+    floors = (1 - settings.top_p) / size * totals / 2
+    for row in np.flatnonzero(cuts > first).tolist():
+        candidates = np.flatnonzero(weights[row] >= floors[row])  # ascending: ties stay in id order
+        ids_row = candidates[np.argsort(-logits[row, candidates], kind="stable")]
+        mass_row = np.cumsum(weights[row, ids_row], dtype=np.float64)
+        chosen[row] = ids_row[:min(int((mass_row < settings.top_p * totals[row]).sum()) + 1, len(ids_row))]
+    width = max(len(ids) for ids in chosen)
+    kept_ids = np.zeros((rows, width), dtype=np.int64)
+    kept_weights = np.zeros((rows, width), dtype=np.float32)
+    for row, ids in enumerate(chosen):
+        kept_ids[row, :len(ids)] = ids
+        kept_weights[row, :len(ids)] = weights[row, ids]
+    return kept_ids, kept_weights

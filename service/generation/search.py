@@ -30,17 +30,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from model.stopping import EOS, StoppingCriteria
 from service.generation.hooks import RowHooks
+from service.generation.ranking import top_k
+from service.generation.sampling import Sampler, draw
 from service.runtime import EncoderState, KVCache
 from service.runtime.protocol import Runtime
-
-if TYPE_CHECKING:
-    from service.generation.sampling import Sampler
 
 Hooks = Sequence[RowHooks | None]
 
@@ -104,8 +102,9 @@ def pick(logits: np.ndarray, scores: bool, forced: Sequence[tuple[int, int]],
     best, chosen = greedy_choice(logits, scores)
     if not forced and not sampled and (chosen is not None or not asking):
         return best, chosen
-    for row, sampler in sampled:
-        best[row] = sampler.sample(logits[row])
+    if sampled:
+        rows = np.asarray([row for row, _ in sampled], dtype=np.int64)
+        best[rows] = draw(logits[rows], [sampler for _, sampler in sampled])
     for row, token in forced:
         best[row] = token
     wanted = set(asking)
@@ -118,36 +117,6 @@ def pick(logits: np.ndarray, scores: bool, forced: Sequence[tuple[int, int]],
         index = np.asarray(rescore, dtype=np.int64)
         chosen[index] = token_log_probs(logits[index], best[index])
     return best, chosen
-
-
-TOP_K_BLOCK = 64  # `top_k`: at most this many elements per group whose maxima bound a long row's k-th best
-
-
-def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best (score, index) of each row of (R, N) `scores`, best first; equal scores in
-    index order.
-
-    A long row is not partitioned whole: the k-th largest of its groups' maxima is a value that
-    at least k elements reach, so the k best are among the elements at or above it, and only
-    those are sorted: a pass of `max` over a row costs far less than a partition of it (a
-    beam-search step asks this of k x vocabulary candidates per row; sampling's nucleus, of a
-    row's vocabulary). The row's first G x m elements form G >= 4k groups of m elements (at most
-    `TOP_K_BLOCK`), element i in group i mod G, so the maxima are an elementwise `max` of m
-    contiguous slices rather than a reduction per block."""
-    k = min(k, scores.shape[-1])
-    rows, size = scores.shape
-    per_group = min(TOP_K_BLOCK, size // (4 * k))
-    if per_group < 2:  # a short row: sorted whole
-        index = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
-        return np.take_along_axis(scores, index, axis=-1), index
-    blocks = size // per_group
-    maxima = scores[:, :blocks * per_group].reshape(rows, per_group, blocks).max(axis=1)  # (R, blocks)
-    floors = np.partition(maxima, blocks - k, axis=-1)[:, blocks - k]  # (R,): k elements reach it
-    index = np.empty((rows, k), dtype=np.int64)
-    for row in range(rows):
-        candidates = np.flatnonzero(scores[row] >= floors[row])  # ascending: ties stay in index order
-        index[row] = candidates[np.argsort(-scores[row, candidates], kind="stable")[:k]]
-    return np.take_along_axis(scores, index, axis=-1), index
 
 
 def generate(

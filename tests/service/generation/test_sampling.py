@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.generation.sampling import Sampling, kept
-from service.generation.search import top_k
+from service.generation.ranking import top_k
+from service.generation.sampling import Sampling, draw, kept
 
 
 def _nucleus_by_full_sort(logits: np.ndarray, settings: Sampling) -> list[int]:
@@ -66,6 +66,22 @@ def test_draws_follow_the_tempered_distribution() -> None:
         sigma = np.sqrt(expected * (1 - expected) / draws)
         assert (np.abs(counts / draws - expected) <= 5 * sigma + 1e-12).all(), (settings, counts)
         assert counts[expected == 0].sum() == 0
+
+
+@pytest.mark.parametrize("settings", [Sampling(1.0, seed=6), Sampling(0.8, top_p=0.7, seed=7)])
+def test_draws_over_a_long_row_follow_its_distribution(settings: Sampling) -> None:
+    """A row longer than a few blocks is drawn block first, then within the block."""
+    logits = np.full(1000, -4.0, dtype=np.float32)
+    logits[[3, 64, 127, 128, 640, 999]] = [1.0, 0.5, 0.2, 0.0, 0.7, 0.9]  # at the ends of blocks of 64
+    draws = 30_000
+    samplers = [settings.sampler(i) for i in range(draws)]  # one draw per row: all drawn at once
+    counts = np.bincount(draw(np.tile(logits, (draws, 1)), samplers), minlength=1000)
+    ids, probs = kept(logits, settings)
+    expected = np.zeros(1000)
+    expected[ids] = probs
+    sigma = np.sqrt(expected * (1 - expected) / draws)
+    assert (np.abs(counts / draws - expected) <= 5 * sigma + 1e-12).all()
+    assert counts[expected == 0].sum() == 0 and counts[[3, 999]].min() > 0
 
 
 def test_a_seed_repeats_a_rows_draws_and_rows_draw_apart() -> None:
