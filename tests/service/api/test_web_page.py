@@ -416,6 +416,20 @@ def test_token_scores_shade_the_output(browser: Browser, base_url: str, tokenize
     assert browser.page_errors() == []
 
 
+def test_sampled_decoding_sends_a_temperature_and_explores_the_draw(browser: Browser, base_url: str) -> None:
+    browser.goto(base_url + "/")
+    browser.wait_for("document.querySelectorAll('#model optgroup option').length >= 1")
+    browser.evaluate("document.getElementById('beam').value = 'sample'")
+    translate(browser, SOURCE)
+    sent = [json.loads(r["postData"]) for r in browser.requests() if r["url"].endswith("/v1/translate")]
+    assert sent[-1]["temperature"] == 0.8 and sent[-1]["top_p"] == 0.95 and "beam_size" not in sent[-1]
+    shown = browser.evaluate("document.getElementById('output').textContent")
+    assert shown  # a draw, whatever it is; the explorer reads that draw
+    explored = [json.loads(r["postData"]) for r in browser.requests() if r["url"].endswith("/v1/attention")]
+    assert explored[-1]["target"] == shown
+    assert browser.page_errors() == []
+
+
 def test_a_server_with_an_api_key_asks_for_the_token_once(
     browser: Browser, tiny_model_repository: Path, tmp_path: Path
 ) -> None:

@@ -60,3 +60,18 @@ def test_a_sampled_rows_scores_are_the_models_log_probabilities_of_its_draws(tin
     replay = generate(tiny_runtime, [sources[2]], 1, len(drawn.tokens), hooks=[forced])[0]
     assert drawn.token_scores is not None and replay.token_scores is not None
     assert np.allclose(drawn.token_scores, replay.token_scores, atol=1e-5)
+
+
+def test_a_forced_prefix_comes_first_then_the_draws(tiny_runtime: ModelRuntime, sources) -> None:
+    prefix = tuple(_alone(tiny_runtime, sources[3], None).tokens[:2])
+    hooks = _sampled(21, temperature=3.0)
+    hooks.prefix = prefix
+    batch: SlotBatch[str] = SlotBatch(tiny_runtime)
+    batch.concatenate([sources[0], sources[3]], ["greedy", "sampled"], [14, 14], [None, hooks])
+    results: dict[str, GenerationResult] = {}
+    while len(batch):
+        results.update(batch.generate_token())
+    again = _sampled(21, temperature=3.0)
+    again.prefix = prefix
+    alone = _alone(tiny_runtime, sources[3], again)
+    assert tuple(results["sampled"].tokens[:2]) == prefix and results["sampled"].tokens == alone.tokens
