@@ -32,7 +32,6 @@ before.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,16 +121,13 @@ def sampling(temperature: float | None = None, top_k: int | None = None, top_p: 
             raise InvalidInput(f"{where}{given[0]}: applies to sampling only; set {where}temperature > 0 "
                                f"(absent or 0: the most likely tokens)")
         return None
-    problem = ("temperature: a finite number > 0" if not math.isfinite(temperature) or temperature < 0
-               else "top_k: at least 1" if top_k is not None and top_k < 1
-               else "top_p: more than 0 and at most 1" if top_p is not None and not 0 < top_p <= 1
-               else "seed: at least 0" if seed is not None and seed < 0 else None)
-    if problem is not None:
-        raise InvalidInput(f"{where}{problem}")
     if beam_size > 1:
         raise InvalidInput(f"{where}temperature: sampling draws one token per step; it does not go "
                            f"with beam_size {beam_size} (send beam_size 1, or temperature 0)")
-    return Sampling(temperature, top_k, 1.0 if top_p is None else top_p, seed)
+    try:
+        return Sampling(temperature, top_k, 1.0 if top_p is None else top_p, seed)
+    except ValueError as error:  # out of range (the schemas' types already refuse it)
+        raise InvalidInput(f"{where}{error}") from None
 
 
 def decode_options(

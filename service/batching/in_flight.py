@@ -6,8 +6,8 @@ similar source length), `filter` keeps only the rows of the given owners, and `g
 runs one decoder step for every row and returns the rows that stopped, by the one rule of
 `model.stopping.StoppingCriteria` (EOS, the row's token limit, its request cancelled). A row's
 hooks may force its first tokens (`RowHooks.prefix`: fed as the step's choice while they last),
-draw its tokens rather than take the most likely (`RowHooks.sampler`), and ask for its tokens' log-probabilities (`RowHooks.scores`), computed for those rows only
-(`choose`). Two
+draw its tokens rather than take the most likely (`RowHooks.sampler`), and ask for its tokens'
+log-probabilities (`RowHooks.scores`), computed for those rows only (`choose`). Two
 batches implement it: `service.batching.slot_batch.SlotBatch` on the step graph (each row's
 cache in its own slot) and `service.batching.running_batch.RunningBatch` on the merged decoder
 (every row's cache padded to the oldest row's, `pads_to_oldest`). The batch is changed in

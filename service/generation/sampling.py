@@ -75,28 +75,34 @@ class Sampler:
 
 def draw(logits: np.ndarray, samplers: Sequence[Sampler]) -> np.ndarray:
     """One piece per row of (R, V) `logits`, row i drawn by `samplers[i]` (one uniform number of
-    its generator per draw). Rows of the same settings are drawn together, so a row draws the
-    same piece from the same logits and generator state whatever rows are drawn beside it."""
+    its generator per draw). The rows of the same temperature, top_k and top_p are drawn
+    together (their seeds may differ); every operation is the row's own, so a row draws the same
+    piece from the same logits and generator state whatever rows are drawn beside it."""
     tokens = np.empty(len(samplers), dtype=np.int64)
-    groups: dict[Sampling, list[int]] = {}
+    groups: dict[tuple[float, int | None, float], list[int]] = {}
     for i, sampler in enumerate(samplers):
-        groups.setdefault(sampler.settings, []).append(i)
-    for settings, rows in groups.items():
+        settings = sampler.settings
+        groups.setdefault((settings.temperature, settings.top_k, settings.top_p), []).append(i)
+    for rows in groups.values():
+        settings = samplers[rows[0]].settings
         index = np.asarray(rows, dtype=np.int64)
         ids, weights = kept_rows(logits[index], settings)  # (r, m) each
         chances = np.asarray([samplers[i].generator.random() for i in rows])  # (r,) in [0, 1)
-        drawn = _inverse_cdf(weights, chances)
+        # by blocks whenever the width depends on the rows drawn together (the nuclei's), so
+        # that a row's sums do not depend on them either
+        drawn = _inverse_cdf(weights, chances, blocked=settings.top_p < 1 or weights.shape[-1] > 4 * DRAW_BLOCK)
         tokens[index] = drawn if ids is None else np.take_along_axis(ids, drawn[:, None], axis=-1)[:, 0]
     return tokens
 
 
-def _inverse_cdf(weights: np.ndarray, chances: np.ndarray) -> np.ndarray:
+def _inverse_cdf(weights: np.ndarray, chances: np.ndarray, blocked: bool) -> np.ndarray:
     """For each row of (R, m) `weights` (>= 0, not normalised), the first column whose running
-    sum exceeds `chances` x the row's total. A long row is summed in blocks of `DRAW_BLOCK`
-    first, then only the block the draw falls in is summed column by column: a running sum along
-    a long axis costs more than the two short ones."""
+    sum exceeds `chances` x the row's total. `blocked`: the row is summed in blocks of
+    `DRAW_BLOCK` first, then only the block the draw falls in column by column (a running sum
+    along a long axis costs more than the two short ones; trailing zero weights change neither
+    sum); else in one running sum."""
     rows, size = weights.shape
-    if size <= 4 * DRAW_BLOCK:
+    if not blocked:
         running = np.cumsum(weights, axis=-1, dtype=np.float64)
         goal = chances * running[:, -1]
         return np.minimum((running <= goal[:, None]).sum(axis=-1), size - 1)

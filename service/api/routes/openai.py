@@ -10,10 +10,10 @@ best finished hypotheses are the choices, best first; this differs from OpenAI, 
 temperature is 1. With `temperature` > 0 each token is sampled (`/v1/translate`'s sampling,
 `service.generation.sampling`), within the `top_p` nucleus and, as vLLM's extra field, the `top_k`
 most likely tokens; `top_p` below 1 without a temperature samples at temperature 1; the `n`
-choices of a prompt are `n` samples, and `seed` makes them repeatable. `max_tokens` (chat: `max_completion_tokens` too) is the output's token limit,
-by default the server's. `stream` answers one text with `n` 1 as OpenAI's chunks
-(`data: {json}` events, then `data: [DONE]`; `stream_options.include_usage` adds a last chunk
-with the usage). `finish_reason` is "stop" when the model ended the output and "length" at the
+choices of a prompt are `n` samples, and `seed` makes them repeatable. `max_tokens` (chat:
+`max_completion_tokens` too) is the output's token limit, by default the server's. `stream`
+answers one text with `n` 1 as OpenAI's chunks (`data: {json}` events, then `data: [DONE]`;
+`stream_options.include_usage` adds a last chunk with the usage). `finish_reason` is "stop" when the model ended the output and "length" at the
 token limit.
 
 What this server does not do is refused with a 400 that says so: stop sequences, penalties,
@@ -333,11 +333,11 @@ def _generate(texts: list[str], body: Options, beams: int, max_tokens: int | Non
     errors are located at `where` (and the prompt's index when there are several). Sampled,
     each text is sent `n` times, greedy rows whose draws differ (row i draws from the seed and
     i); else a beam of `beams` gives the `n` best."""
-    sampling = body.sampling()
+    sampled = body.sampling()
     n, stream = body.n, body.stream
     fields: dict[str, Any] = {"texts": texts, "model": body.model, "beam_size": beams, "stream": stream}
-    if sampling:
-        fields.update(sampling, texts=[text for text in texts for _ in range(n)], beam_size=1)
+    if sampled:
+        fields.update(sampled, texts=[text for text in texts for _ in range(n)], beam_size=1)
     elif n > 1:
         fields["num_hypotheses"] = n
     if max_tokens is not None:
@@ -348,7 +348,7 @@ def _generate(texts: list[str], body: Options, beams: int, max_tokens: int | Non
         return GenerateRequest.model_validate(fields)
     except ValidationError as error:
         index = slice(1, None) if len(texts) > 1 else slice(2, None)  # a lone text's index dropped
-        errors = [{**e, "loc": (*where, *_prompt_index(e["loc"][index], n if sampling else 1))}
+        errors = [{**e, "loc": (*where, *_prompt_index(e["loc"][index], n if sampled else 1))}
                   if e.get("loc") and e["loc"][0] in ("text", "texts") else e for e in error.errors()]
         raise InvalidInput(describe_validation_errors(errors)) from None
 

@@ -4,6 +4,8 @@ row, settings out of range refused; and `top_k`, which finds the nucleus, agains
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -82,6 +84,21 @@ def test_draws_over_a_long_row_follow_its_distribution(settings: Sampling) -> No
     sigma = np.sqrt(expected * (1 - expected) / draws)
     assert (np.abs(counts / draws - expected) <= 5 * sigma + 1e-12).all()
     assert counts[expected == 0].sum() == 0 and counts[[3, 999]].min() > 0
+
+
+@pytest.mark.parametrize("settings", [Sampling(1.0, top_p=0.95), Sampling(1.0, top_k=20), Sampling(0.7)])
+def test_a_row_draws_the_same_beside_other_rows_as_alone(settings: Sampling) -> None:
+    """Rows of other seeds and of nuclei of other widths drawn together change no row's draw."""
+    rng = np.random.default_rng(3)
+    peaked = (rng.standard_normal(8000) * 2).astype(np.float32)
+    peaked[[10, 20]] += 30  # a nucleus of two pieces
+    flat = (rng.standard_normal(8000) * 0.1).astype(np.float32)  # a nucleus of thousands
+    logits = np.stack([peaked, flat, peaked[::-1].copy()])
+    for seed in range(100):
+        together = draw(logits, [dataclasses.replace(settings, seed=seed + row).sampler(row) for row in range(3)])
+        alone = [draw(logits[row:row + 1], [dataclasses.replace(settings, seed=seed + row).sampler(row)])[0]
+                 for row in range(3)]
+        assert together.tolist() == alone
 
 
 def test_a_seed_repeats_a_rows_draws_and_rows_draw_apart() -> None:
