@@ -101,7 +101,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines = ["# Sampled translation: our running batch and CTranslate2 in alternating turns", "",
              f"Command: `{result['command']}`", "",
              (f"{result['sentences']} sentences of the {result['split']} set, {result['turns']} turns; ours "
-             f"`{result['point']}` (engine:rows:replicas:threads), CTranslate2 int8 {result['ctranslate2_setting']}."), "",
+             f"`{result['point']}` (engine:rows:replicas:threads[:join_at]), CTranslate2 int8 {result['ctranslate2_setting']}."), "",
              "| arm | sentences/s, median (range) | per turn | BLEU (first turn) | chrF | words per output |",
              "|---|---|---|---|---|---|"]
     for name, values in result["sentences_per_s"].items():
@@ -124,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, default=Path("data"))
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--split", choices=SPLITS, default="test")
-    parser.add_argument("--point", default="running:64:2:1", help="ours: ENGINE:SIZE:REPLICAS:THREADS")
+    parser.add_argument("--point", default="running-sorted:64:2:1:16",
+                        help="ours: ENGINE:SIZE:REPLICAS:THREADS[:JOIN_AT] (default: the best in-process point)")
     parser.add_argument("--ctranslate2-setting", nargs=4, metavar=("REPLICAS", "THREADS", "BATCH", "TYPE"),
                         default=["2", "1", "1024", "tokens"], help="CTranslate2's point (its grid's best on 2 cores)")
     parser.add_argument("--sampling", nargs="+", default=["1.0:10:1.0", "0.9:0:0.9"],
