@@ -5,7 +5,8 @@ streamed) and the KServe v2 infer route.
 - `return_scores`: each output's `score` is the sum of the log-probabilities (natural log) of
   its tokens and of `</s>` when it ended with one (finish_reason "eos"): the probability of the
   whole sequence, end included; `token_scores` has one log-probability per output token (`</s>`
-  excluded). The same for greedy and beam search; beam search ranks by the length-normalised
+  excluded), and `token_texts` what each of those tokens adds to the text
+  (`service.api.detokenize`). The same for greedy and beam search; beam search ranks by the length-normalised
   score instead.
 - `num_hypotheses` n (at most `beam_size`): `hypotheses`, the n best finished hypotheses of the
   beam search, best first in the beam's own order (score / tokens counting `</s>`), each with
@@ -36,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from service.api.detokenize import token_texts
 from service.api.schemas import Hypothesis
 from service.core.errors import InvalidInput
 from service.generation.hooks import RowHooks
@@ -79,19 +81,20 @@ class DecodeOptions:
         """The output fields these options add to one generated row (`Output`)."""
         extra: dict[str, Any] = {}
         if self.scores:
-            extra.update(_scores(result, with_tokens=True))
+            extra.update(_scores(runtime, result, with_tokens=True))
         if self.hypotheses is not None:
             found = getattr(result, "hypotheses", None) or (result,)
             extra["hypotheses"] = [
                 Hypothesis(text=runtime.tokenizer.decode(h.tokens), finish_reason=h.finish_reason,
-                           output_tokens=len(h.tokens), **_scores(h, with_tokens=self.scores))
+                           output_tokens=len(h.tokens), **_scores(runtime, h, with_tokens=self.scores))
                 for h in found[: self.hypotheses]
             ]
         return extra
 
 
-def _scores(result: Any, with_tokens: bool) -> dict[str, Any]:
-    """`score` and, `with_tokens`, `token_scores` of a result that carries them."""
+def _scores(runtime: Runtime, result: Any, with_tokens: bool) -> dict[str, Any]:
+    """`score` and, `with_tokens`, `token_scores` and `token_texts` of a result that carries
+    them."""
     found: dict[str, Any] = {}
     log_prob = getattr(result, "log_prob", None)
     if log_prob is not None:
@@ -99,6 +102,7 @@ def _scores(result: Any, with_tokens: bool) -> dict[str, Any]:
     token_scores = getattr(result, "token_scores", None)
     if with_tokens and token_scores is not None:
         found["token_scores"] = [float(s) for s in token_scores]
+        found["token_texts"] = token_texts(runtime.tokenizer, result.tokens)
     return found
 
 

@@ -194,6 +194,7 @@ class Hypothesis(BaseModel):
     finish_reason: FinishReason
     output_tokens: int
     token_scores: list[float] | None = Field(None, description="with `return_scores`")
+    token_texts: list[str] | None = Field(None, description="with `return_scores`: what each token adds to `text`")
 
 
 class Output(BaseModel):
@@ -217,6 +218,10 @@ class Output(BaseModel):
     score: float | None = Field(None, description="summed log-probability of the output's "
                                 "tokens and of `</s>` when it ended with one")
     token_scores: list[float] | None = Field(None, description="log-probability of each output token")
+    token_texts: list[str] | None = Field(
+        None, description="with `return_scores`: what each output token adds to `text` (one per "
+        "`token_scores`; they join to `text`, a token that completes no character adding \"\")",
+    )
     hypotheses: list[Hypothesis] | None = None
 
 

@@ -43,6 +43,7 @@ from starlette.types import Receive
 
 from service.api import pipeline
 from service.api.deadline import Deadline
+from service.api.detokenize import Deltas
 from service.api.pipeline import Prepared
 from service.batching.batcher import Generated
 from service.core.errors import DeadlineExceeded, InternalError, ServiceError
@@ -155,7 +156,7 @@ class _Text:
         self.done = self.document.separators[0]  # the rows ended, each with the separator after it
         self.ids: list[int] = []  # the current row's tokens
         self.count = 0  # tokens of all rows
-        self.sent = ""  # the concatenation of the deltas sent
+        self.deltas = Deltas()  # what was sent: the concatenation of the deltas
 
     def add(self, token: int) -> dict[str, Any]:
         self.ids.append(token)
@@ -163,20 +164,17 @@ class _Text:
         text = self.done + self.tokenizer.decode(self.ids)
         return {"index": self.count - 1,
                 "token": {"id": token, "piece": self.tokenizer.pieces([token])[0]},
-                "delta": self._delta(text), "text": text}
+                "delta": self.deltas.delta(text), "text": text}
 
     def end_row(self, row: int, tokens: list[int]) -> None:
         """Row `row` ended with `tokens`: the next tokens belong to the next row."""
         self.done += self.tokenizer.decode(tokens) + self.document.separators[row + 1]
         self.ids = []
 
-    def _delta(self, text: str) -> str:
-        """The new end of `text`; empty while it does not extend what was sent (a byte piece
-        that is only part of a character, or a space the tokenizer strips at the end)."""
-        if not text.startswith(self.sent) or text.endswith("\ufffd"):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+    @property
+    def sent(self) -> str:
+        """The text sent so far."""
+        return self.deltas.sent
 
 
 async def _events(

@@ -16,10 +16,14 @@ answers one text with `n` 1 as OpenAI's chunks (`data: {json}` events, then `dat
 `stream_options.include_usage` adds a last chunk with the usage). `finish_reason` is "stop" when the model ended the output and "length" at the
 token limit.
 
+`logprobs` (chat: `true`; completions: 0) gives each choice's tokens with their
+log-probabilities (`/v1/translate`'s `return_scores`: `token_texts`, `token_scores`), in
+OpenAI's shapes; a token that completes no character is "".
+
 What this server does not do is refused with a 400 that says so: stop sequences, penalties,
-logit biases, log-probabilities (`/v1/translate`'s `return_scores` gives them), `echo`, `suffix`,
-`best_of` above `n` with sampling, tools, a response format other than text, and non-text
-message parts. Fields OpenAI defines that change nothing here (`user`, `metadata`, `seed` without
+logit biases, the tokens' alternatives (`top_logprobs`, completions' `logprobs` above 0),
+`logprobs` with `stream`, `echo`, `suffix`, `best_of` above `n` with sampling, tools, a response
+format other than text, and non-text message parts. Fields OpenAI defines that change nothing here (`user`, `metadata`, `seed` without
 sampling, ...) and unknown fields are ignored.
 
 The texts take `/v1/translate`'s path (`service.api.routes.generate.generate_texts`): the limits,
@@ -48,6 +52,8 @@ from service.api.schemas import (
     MAX_TEXTS,
     GenerateRequest,
     GenerateResponse,
+    Hypothesis,
+    Output,
     Seed,
     Temperature,
     TopK,
@@ -105,7 +111,9 @@ class Options(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = Field(None, description="not supported: absent, false or 0")
+    logprobs: bool | int | None = Field(
+        None, description="each choice's tokens and their log-probabilities: chat true, completions 0 "
+        "(no alternatives)")
     seed: Seed | None = Field(None, description="with sampling: the same seed gives the same choices")
     user: str | None = None
 
@@ -130,14 +138,22 @@ class Options(BaseModel):
             found.append("presence_penalty, frequency_penalty: penalties are not supported")
         if self.logit_bias:
             found.append("logit_bias: not supported")
-        if self.logprobs:
-            found.append("logprobs: not returned on this route; POST /v1/translate with return_scores "
-                         "gives each token's log-probability")
+        if self.stream and self.logprobs_asked():
+            found.append("logprobs: not with stream here; the final event of POST /v1/translate's stream "
+                         "with return_scores has them")
         return found
+
+    def logprobs_asked(self) -> bool:
+        """Whether the choices carry their tokens' log-probabilities."""
+        return False
 
 
 class CompletionRequest(Options):
     """`POST /v1/completions`' body."""
+
+    def logprobs_asked(self) -> bool:
+        """`logprobs`: 0 gives each token's own (more, the alternatives, is refused)."""
+        return self.logprobs is not None and self.logprobs is not False
 
     # each text checked as `/v1/translate` checks its own (`_generate`)
     prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_TEXTS)]
@@ -164,6 +180,10 @@ class Message(BaseModel):
 class ChatRequest(Options):
     """`POST /v1/chat/completions`' body."""
 
+    def logprobs_asked(self) -> bool:
+        """`logprobs: true` gives each token's own (`top_logprobs` above 0, the alternatives, is refused)."""
+        return bool(self.logprobs)
+
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS, description="default: the server's")
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
@@ -180,10 +200,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: None = None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -201,10 +228,22 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[Any] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -234,6 +273,9 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
         refused.append("best_of: must be at least n")
     if body.best_of is not None and body.best_of > body.n and body.sampling():
         refused.append("best_of: with sampling the n samples are the choices; send best_of = n or leave it out")
+    if body.logprobs_asked() and body.logprobs is not None and body.logprobs >= 1:
+        refused.append("logprobs: the tokens' alternatives are not returned; send 0 for each token's own "
+                       "log-probability")
     _refuse(refused)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     _check_stream(body, len(prompts))
@@ -246,8 +288,9 @@ async def completions(body: CompletionRequest, request: Request, response: Respo
     if isinstance(answer, Response):
         return answer
     sampled = bool(body.sampling())
-    choices = [CompletionChoice(index=i * body.n + j, text=text, finish_reason=FINISH_REASONS[reason])
-               for i, texts in enumerate(_choices(answer, body.n, sampled)) for j, (text, reason) in enumerate(texts)]
+    choices = [CompletionChoice(index=i * body.n + j, text=found.text, finish_reason=FINISH_REASONS[found.finish_reason],
+                                logprobs=_completion_logprobs(found) if body.logprobs_asked() else None)
+               for i, per_prompt in enumerate(_choices(answer, body.n, sampled)) for j, found in enumerate(per_prompt)]
     return CompletionResponse(id=identity, created=created, model=answer.model, choices=choices,
                               usage=_usage(answer, body.n, sampled))
 
@@ -258,7 +301,8 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     """Translate or summarize the last (user's) message with `model`, as OpenAI's chat completions."""
     refused = body.refusals()
     if body.top_logprobs:
-        refused.append("top_logprobs: not supported")
+        refused.append("top_logprobs: the tokens' alternatives are not returned; send 0 or leave it out "
+                       "(logprobs: true gives each token's own)")
     if body.tools or body.functions or body.tool_choice not in (None, "none"):
         refused.append("tools: the model calls no tools")
     if body.response_format is not None and body.response_format.get("type") != "text":
@@ -275,9 +319,11 @@ async def chat_completions(body: ChatRequest, request: Request, response: Respon
     if isinstance(answer, Response):
         return answer
     sampled = bool(body.sampling())
-    [texts] = _choices(answer, body.n, sampled)
-    choices = [ChatChoice(index=j, message=AssistantMessage(content=text), finish_reason=FINISH_REASONS[reason])
-               for j, (text, reason) in enumerate(texts)]
+    [per_prompt] = _choices(answer, body.n, sampled)
+    choices = [ChatChoice(index=j, message=AssistantMessage(content=found.text),
+                          finish_reason=FINISH_REASONS[found.finish_reason],
+                          logprobs=_chat_logprobs(found) if body.logprobs_asked() else None)
+               for j, found in enumerate(per_prompt)]
     return ChatResponse(id=identity, created=created, model=answer.model, choices=choices,
                         usage=_usage(answer, body.n, sampled))
 
@@ -336,6 +382,8 @@ def _generate(texts: list[str], body: Options, beams: int, max_tokens: int | Non
     sampled = body.sampling()
     n, stream = body.n, body.stream
     fields: dict[str, Any] = {"texts": texts, "model": body.model, "beam_size": beams, "stream": stream}
+    if body.logprobs_asked():
+        fields["return_scores"] = True
     if sampled:
         fields.update(sampled, texts=[text for text in texts for _ in range(n)], beam_size=1)
     elif n > 1:
@@ -359,14 +407,26 @@ def _prompt_index(loc: tuple[Any, ...], n: int) -> tuple[Any, ...]:
     return (loc[0] // n, *loc[1:]) if loc and isinstance(loc[0], int) else loc
 
 
-def _choices(answer: GenerateResponse, n: int, sampled: bool) -> list[list[tuple[str, str]]]:  # (text, "eos" | "length")
-    """Per prompt, its n choices' (text, finish reason): its n samples, the output, or its n best
-    hypotheses."""
+def _choices(answer: GenerateResponse, n: int, sampled: bool) -> list[list[Output | Hypothesis]]:
+    """Per prompt, its n choices: its n samples, the output, or its n best hypotheses."""
     if sampled:
-        return [[(o.text, o.finish_reason) for o in answer.outputs[i:i + n]] for i in range(0, len(answer.outputs), n)]
+        return [list(answer.outputs[i:i + n]) for i in range(0, len(answer.outputs), n)]
     if n == 1:
-        return [[(output.text, output.finish_reason)] for output in answer.outputs]
-    return [[(h.text, h.finish_reason) for h in (output.hypotheses or [])[:n]] for output in answer.outputs]
+        return [[output] for output in answer.outputs]
+    return [list((output.hypotheses or [])[:n]) for output in answer.outputs]
+
+
+def _completion_logprobs(found: Output | Hypothesis) -> CompletionLogprobs:
+    """A completion choice's `logprobs`: its tokens' texts, log-probabilities and offsets in its text."""
+    texts, scores = found.token_texts or [], found.token_scores or []
+    offsets = [sum(len(text) for text in texts[:i]) for i in range(len(texts))]
+    return CompletionLogprobs(tokens=texts, token_logprobs=scores, text_offset=offsets)
+
+
+def _chat_logprobs(found: Output | Hypothesis) -> ChatLogprobs:
+    """A chat choice's `logprobs`: each token's text, log-probability and UTF-8 bytes."""
+    return ChatLogprobs(content=[TokenLogprob(token=text, logprob=score, bytes=list(text.encode()))
+                                 for text, score in zip(found.token_texts or [], found.token_scores or [], strict=True)])
 
 
 def _usage(answer: GenerateResponse, n: int, sampled: bool) -> Usage:

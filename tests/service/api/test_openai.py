@@ -107,6 +107,27 @@ def test_the_models_list_in_openais_shape(tiny_url: str) -> None:
     assert listed.data[0].created > 0
 
 
+def test_logprobs_are_v1s_token_scores_in_openais_shapes(tiny_url: str) -> None:
+    stock = client(tiny_url)
+    [expected] = v1(tiny_url, [TEXTS[0]], return_scores=True)["outputs"]
+    chat = stock.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": TEXTS[0]}], logprobs=True)
+    content = chat.choices[0].logprobs.content
+    assert [t.token for t in content] == expected["token_texts"] and "".join(t.token for t in content) == expected["text"]
+    assert [t.logprob for t in content] == pytest.approx(expected["token_scores"], abs=1e-6)
+    assert all(t.bytes == list(t.token.encode()) and t.top_logprobs == [] for t in content)
+    completion = stock.completions.create(model=MODEL, prompt=TEXTS[0], logprobs=0)
+    found = completion.choices[0].logprobs
+    assert found.tokens == expected["token_texts"] and found.token_logprobs == pytest.approx(expected["token_scores"])
+    assert found.text_offset == [sum(map(len, found.tokens[:i])) for i in range(len(found.tokens))]
+    assert stock.completions.create(model=MODEL, prompt=TEXTS[0]).choices[0].logprobs is None
+    # the n best of a beam: each choice's own tokens
+    beams = stock.completions.create(model=MODEL, prompt=TEXTS[0], n=2, logprobs=0)
+    [output] = v1(tiny_url, [TEXTS[0]], beam_size=2, num_hypotheses=2, return_scores=True)["outputs"]
+    for choice, hypothesis in zip(beams.choices, output["hypotheses"], strict=True):
+        assert choice.logprobs.tokens == hypothesis["token_texts"] and "".join(choice.logprobs.tokens) == choice.text
+        assert choice.logprobs.token_logprobs == pytest.approx(hypothesis["token_scores"], abs=1e-6)
+
+
 def test_refusals_raise_the_clients_errors(tiny_url: str) -> None:
     stock = client(tiny_url)
     messages = [{"role": "user", "content": TEXTS[0]}]
@@ -153,7 +174,9 @@ async def test_any_task_answers(fake_app: Any) -> None:
         (CHAT, {"model": "en-it", "messages": USER, "stop": ["\n"]}, 400, "stop sequences"),
         (CHAT, {"model": "en-it", "messages": USER, "frequency_penalty": 1}, 400, "penalties"),
         (CHAT, {"model": "en-it", "messages": USER, "logit_bias": {"5": 1}}, 400, "logit_bias"),
-        (CHAT, {"model": "en-it", "messages": USER, "logprobs": True}, 400, "return_scores"),
+        (CHAT, {"model": "en-it", "messages": USER, "logprobs": True, "top_logprobs": 2}, 400, "alternatives"),
+        (CHAT, {"model": "en-it", "messages": USER, "logprobs": True, "stream": True}, 400, "logprobs: not with stream"),
+        ("/v1/completions", {"model": "en-it", "prompt": "abc", "logprobs": 1}, 400, "send 0"),
         (CHAT, {"model": "en-it", "messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
         (CHAT, {"model": "en-it", "messages": USER, "response_format": {"type": "json_object"}}, 400, "text only"),
         (CHAT, {"model": "en-it", "messages": USER, "n": 2, "stream": True}, 400, "n = 1"),

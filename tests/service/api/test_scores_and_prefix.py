@@ -39,8 +39,10 @@ def events(response: Any) -> list[dict[str, Any]]:
 
 
 def check_score(output: dict[str, Any]) -> None:
-    """`score` is the tokens' summed log-probability, plus `</s>`'s (negative) when it ended with one."""
-    assert len(output["token_scores"]) == output["output_tokens"]
+    """`score` is the tokens' summed log-probability, plus `</s>`'s (negative) when it ended with
+    one; `token_texts` has a text per token, and they join to the output's text."""
+    assert len(output["token_scores"]) == output["output_tokens"] == len(output["token_texts"])
+    assert "".join(output["token_texts"]) == output["text"]
     assert all(s <= 0 for s in output["token_scores"])
     summed = sum(output["token_scores"])
     if output["finish_reason"] == "eos":
@@ -58,7 +60,7 @@ async def test_return_scores_adds_scores_and_changes_nothing_else(served_tiny_mo
     ])
     for with_scores, without in zip(outputs(scored), outputs(plain), strict=True):
         assert set(without) == PLAIN_KEYS
-        assert set(with_scores) == PLAIN_KEYS | {"score", "token_scores"}
+        assert set(with_scores) == PLAIN_KEYS | {"score", "token_scores", "token_texts"}
         assert {k: with_scores[k] for k in PLAIN_KEYS} == without
         check_score(with_scores)
 
