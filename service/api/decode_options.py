@@ -6,8 +6,8 @@ streamed) and the KServe v2 infer route.
   its tokens and of `</s>` when it ended with one (finish_reason "eos"): the probability of the
   whole sequence, end included; `token_scores` has one log-probability per output token (`</s>`
   excluded), and `token_texts` what each of those tokens adds to the text
-  (`service.api.detokenize`). The same for greedy and beam search; beam search ranks by the length-normalised
-  score instead.
+  (`service.api.detokenize`). The same for greedy and beam search; beam search ranks by the
+  length-normalised score instead.
 - `num_hypotheses` n (at most `beam_size`): `hypotheses`, the n best finished hypotheses of the
   beam search, best first in the beam's own order (score / tokens counting `</s>`), each with
   its text, score, finish reason and token count (and `token_scores` with `return_scores`); the
