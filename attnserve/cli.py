@@ -56,6 +56,8 @@ SUBCOMMANDS = (
     Subcommand("add-int8-cache", "give a model repository's int8 step graphs an int8 cache",
                "export.commands", ("train", "serve")),
     Subcommand("serve", "serve the models of a model repository over HTTP", "service.process.commands", ("serve",)),
+    Subcommand("generate", "translate (or summarize) a text file in-process, one output line per input line",
+               "service.process.commands", ("serve",)),
     Subcommand("bench", "benchmark the service against in-process ONNX, naive PyTorch and CTranslate2",
                "bench.commands", ("serve", "train", "bench")),
 )

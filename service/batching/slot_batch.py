@@ -539,7 +539,8 @@ def generate_running(runtime: Runtime, sources: Iterable[tuple[Owner, list[int]]
     server: before each step, once at least `join_at` slots are free (or none is taken), the
     next sources take the free slots (encoded together, `concatenate`). Yields each
     (owner, result) as its row finishes. With `sampling`, each row draws its tokens instead
-    (`service.generation.sampling`; the n-th source this batch takes draws as row n).
+    (`service.generation.sampling`), the source of owner i (an int, then) drawing as row i: its
+    draws do not depend on which batch takes it, or when.
 
     `sources` is read lazily, as slots free up, so several threads may share one iterator (read
     under a lock) and each run its own batch: replicas dividing a workload as it goes, as
@@ -550,16 +551,14 @@ def generate_running(runtime: Runtime, sources: Iterable[tuple[Owner, list[int]]
     batch: SlotBatch[Owner] = SlotBatch(runtime, scores=False, rows=rows, shortlist_rows=shortlist_rows)
     feed = iter(sources)
     exhausted = False
-    taken = 0
     while True:
         free = rows - len(batch)
         if not exhausted and (free >= join_at or not len(batch)):
             newcomers = list(itertools.islice(feed, free))
             exhausted = len(newcomers) < free
             if newcomers:
-                hooks = None if sampling is None else [RowHooks(sampler=sampling.sampler(taken + i))
-                                                       for i in range(len(newcomers))]
-                taken += len(newcomers)
+                hooks = None if sampling is None else [RowHooks(sampler=sampling.sampler(cast(int, owner)))
+                                                       for owner, _ in newcomers]
                 batch.concatenate([source for _, source in newcomers], [owner for owner, _ in newcomers],
                                   [limit] * len(newcomers), hooks)
         if not len(batch):

@@ -1,4 +1,5 @@
-"""Subcommands of `attnserve` provided by `service/`: serve."""
+"""Subcommands of `attnserve` provided by `service/`: serve, and generate (a text file through a
+model in-process: `service.process.offline`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,79 @@ _SETTING_FLAGS = (
 def register(subcommands: argparse._SubParsersAction) -> None:
     """Add this package's subcommands to the `attnserve` parser."""
     _register_serve(subcommands)
+    _register_generate(subcommands)
+
+
+LINES_PER_PART = 20_000  # `generate` reads and decodes a file this many lines at a time
+
+
+def _register_generate(subcommands: argparse._SubParsersAction) -> None:
+    """`attnserve generate`: a text file through a model in-process, one output line per line."""
+    p = subcommands.add_parser(
+        "generate",
+        help="translate (or summarize) a text file in-process, one output line per input line",
+        description="Decode every line of a text file with a model folder, without a server: a "
+        "translation model's lines are cut into sentences as the server cuts them and joined back; "
+        "all the rows decode in running batches fed shortest first, one per replica thread. With "
+        "--temperature the outputs are sampled (back-translation); --seed makes them repeatable.",
+    )
+    p.add_argument("--model", required=True, help="a model folder (e.g. models/translate-en-it)")
+    p.add_argument("--input", default="-", help="text file, one text per line (default -: standard input)")
+    p.add_argument("--output", default="-", help="where the outputs go, one per line (default -: standard output)")
+    p.add_argument("--beam-size", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, help="default: the model's target length")
+    p.add_argument("--temperature", type=float, help="above 0: sample each token at this temperature")
+    p.add_argument("--top-k", type=int, help="with --temperature: draw from the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling")
+    p.add_argument("--seed", type=int, help="with --temperature: the same seed gives the same outputs")
+    p.add_argument("--rows", type=int, default=64, help="rows of each running batch (default 64)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="threads decoding side by side, each with its own batch (default 0: one per core)")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per call (default 1)")
+    p.add_argument("--providers", default="CPUExecutionProvider",
+                   help="onnxruntime execution providers, comma-separated (default CPUExecutionProvider)")
+    p.add_argument("--variant", help="force a model variant (fp32, fp16, int8)")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from service.api.decode_options import sampling
+    from service.core.errors import InvalidInput
+    from service.process.offline import batched, generate_lines
+    from service.runtime import ModelRuntime
+
+    try:
+        sampled = sampling(args.temperature, args.top_k, args.top_p, args.seed, args.beam_size, where="--")
+    except InvalidInput as error:
+        logger.error("%s", error.message.replace("_", "-"))
+        return 2
+    if args.beam_size < 1 or args.rows < 1 or args.replicas < 0 or args.threads < 0:
+        logger.error("--beam-size and --rows must be >= 1, --replicas and --threads >= 0")
+        return 2
+    replicas = args.replicas or os.cpu_count() or 1
+    runtime = ModelRuntime.load(args.model, args.providers.split(","), threads=args.threads, variant=args.variant)
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")  # noqa: SIM115
+    target = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    first_row = 0
+    try:
+        for part in batched((line.rstrip("\r\n") for line in source), LINES_PER_PART):
+            outputs, rows = generate_lines(runtime, part, args.beam_size, args.max_new_tokens, sampled,
+                                           args.rows, replicas, first_row)
+            first_row += rows
+            target.writelines(output.replace("\r", " ").replace("\n", " ") + "\n" for output in outputs)
+            target.flush()
+    except InvalidInput as error:
+        logger.error("%s", error.message)
+        return 2
+    finally:
+        if source is not sys.stdin:
+            source.close()
+        if target is not sys.stdout:
+            target.close()
+    return 0
 
 
 def _register_serve(subcommands: argparse._SubParsersAction) -> None:
