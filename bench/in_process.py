@@ -14,11 +14,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from bench import machine
 from bench.stats import RunStats, summarise
@@ -27,9 +27,9 @@ from service.batching.slot_batch import generate_running
 from service.generation.hooks import RowHooks
 from service.generation.sampling import Sampling
 from service.generation.search import GenerationResult, generate
+from service.process.offline import Shared
 from service.runtime import CPU, ModelRuntime
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -120,21 +120,6 @@ def settings_grid(sizes: Sequence[int] = (32, 64), cores: int | None = None) -> 
             for join_at in dict.fromkeys((1, *((max(1, size // 4),) if engine != "batches" else ())))]
 
 
-class _Shared(Generic[T]):
-    """An iterator several threads read from, one item at a time under a lock."""
-
-    def __init__(self, items: Iterable[T]) -> None:
-        self._items = iter(items)
-        self._lock = threading.Lock()
-
-    def __iter__(self) -> _Shared[T]:
-        return self
-
-    def __next__(self) -> T:
-        with self._lock:
-            return next(self._items)
-
-
 def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InProcessSettings,
                  max_new_tokens: int | None = None,
                  sampling: Sampling | None = None) -> tuple[RunStats, list[GenerationResult]]:
@@ -148,7 +133,7 @@ def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InPr
     lock = threading.Lock()
     if settings.engine == "batches":
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-        batches = _Shared(order[start:start + settings.size] for start in range(0, len(order), settings.size))
+        batches = Shared(order[start:start + settings.size] for start in range(0, len(order), settings.size))
 
         def replica() -> None:
             for rows in batches:
@@ -170,7 +155,7 @@ def run_settings(runtime: ModelRuntime, sources: list[list[int]], settings: InPr
                 joined[i] = time.perf_counter()
                 yield i, sources[i]
 
-        feed = _Shared(timed())
+        feed = Shared(timed())
 
         def replica() -> None:
             for i, result in generate_running(runtime, feed, settings.size, limit, join_at=settings.join_at,

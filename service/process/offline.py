@@ -33,8 +33,8 @@ from service.runtime.protocol import Runtime
 T = TypeVar("T")
 
 
-class _Shared(Iterator[T]):
-    """An iterator several threads take items from, one at a time."""
+class Shared(Iterator[T]):
+    """An iterator several threads read from, one item at a time under a lock."""
 
     def __init__(self, items: Iterable[T]) -> None:
         self._items = iter(items)
@@ -97,7 +97,7 @@ def _decode(runtime: Runtime, sources: list[list[int]], beam_size: int, limit: i
     results: dict[int, GenerationResult] = {}
     lock = threading.Lock()
     if beam_size == 1:
-        feed = _Shared((first_row + i, sources[i]) for i in order)
+        feed = Shared((first_row + i, sources[i]) for i in order)
 
         def replica() -> None:
             for row, result in generate_running(runtime, feed, rows, limit, join_at=max(1, rows // 4),
@@ -105,7 +105,7 @@ def _decode(runtime: Runtime, sources: list[list[int]], beam_size: int, limit: i
                 with lock:
                     results[row - first_row] = result
     else:
-        batches = _Shared(order[start:start + rows] for start in range(0, len(order), rows))
+        batches = Shared(order[start:start + rows] for start in range(0, len(order), rows))
 
         def replica() -> None:
             for batch in batches:
